@@ -1,0 +1,135 @@
+"""Token-slot bookkeeping on the scheduler's side (CPU only; the K/V tensors live in the workers).
+
+Two ledgers, laid out as SGLang lays them out:
+
+- ``ReqToTokenPool``: a ``(max_requests + 1, max_context_len)`` int32 table. Row ``r`` lists, in
+  position order, the KV slots of the request that holds row ``r``. Row 0 is never handed out:
+  padded batch entries point at it.
+- ``TokenToKVPoolAllocator``: the free list of KV slots ``1..size``. Slot 0 is never handed out:
+  padded writes land there. With ``page_size > 1`` slots are handed out in whole pages
+  (page ``p`` holds slots ``p*page_size .. p*page_size + page_size - 1``; page 0 is reserved),
+  and ``alloc_extend`` first fills the free tail of each request's last page.
+
+Neither class is thread-safe; one scheduler owns them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """Rows of the request-to-slot table. ``alloc``/``free`` mutate the free-row list only."""
+
+    def __init__(self, max_requests: int, max_context_len: int):
+        self.size = max_requests
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros((max_requests + 1, max_context_len), dtype=torch.int32)
+        self._free_rows = list(range(max_requests, 0, -1))  # pop() hands out 1, 2, 3, ...
+
+    def available_size(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int | None:
+        """Take one row, or None when all rows are in use."""
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        assert 0 < row <= self.size, f"row {row} out of range"
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        self.req_to_token[row, start : start + len(slots)] = slots.to(torch.int32)
+
+    def read(self, row: int, end: int, start: int = 0) -> torch.Tensor:
+        return self.req_to_token[row, start:end].to(torch.int64)
+
+    def clear(self) -> None:
+        self._free_rows = list(range(self.size, 0, -1))
+
+
+class TokenToKVPoolAllocator:
+    """Free list of KV slots. ``available_size`` counts tokens, not pages.
+
+    Mutates only its own free list. Freed slots are handed out again in the order they were
+    freed (after the initial ascending order), which keeps reuse easy to reason about in tests.
+    """
+
+    def __init__(self, size: int, page_size: int = 1):
+        assert size >= page_size >= 1, "pool must hold at least one page"
+        self.page_size = page_size
+        self.num_pages = size // page_size
+        self.size = self.num_pages * page_size
+        self.clear()
+
+    def clear(self) -> None:
+        # Page 0 (slot 0 when page_size == 1) is the padding target; pages 1..num_pages are free.
+        self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64)
+        self._released: list[torch.Tensor] = []
+
+    def _merge_released(self) -> None:
+        if self._released:
+            self._free_pages = torch.cat([self._free_pages, *self._released])
+            self._released = []
+
+    def available_size(self) -> int:
+        return (len(self._free_pages) + sum(len(r) for r in self._released)) * self.page_size
+
+    def _take_pages(self, n: int) -> torch.Tensor | None:
+        if n > len(self._free_pages):
+            self._merge_released()
+            if n > len(self._free_pages):
+                return None
+        pages, self._free_pages = self._free_pages[:n], self._free_pages[n:]
+        return pages
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """Hand out ``num_tokens`` slots (a multiple of ``page_size``), or None if too few free."""
+        assert num_tokens % self.page_size == 0, "alloc takes whole pages; use alloc_extend"
+        pages = self._take_pages(num_tokens // self.page_size)
+        if pages is None:
+            return None
+        if self.page_size == 1:
+            return pages.clone()
+        offsets = torch.arange(self.page_size, dtype=torch.int64)
+        return (pages[:, None] * self.page_size + offsets[None, :]).reshape(-1)
+
+    def alloc_extend(self, prefix_lens: list[int], extend_lens: list[int],
+                     last_slots: list[int]) -> torch.Tensor | None:
+        """Slots for appending ``extend_lens[i]`` tokens to request ``i``, concatenated.
+
+        ``last_slots[i]`` is the slot of the request's last existing token (ignored when its
+        prefix is empty). With pages, the free tail of that token's page is used first. Returns
+        None, taking nothing, when the pool is short.
+        """
+        if self.page_size == 1:
+            return self.alloc(sum(extend_lens))
+        p = self.page_size
+        pages_needed = []
+        for prefix, extend in zip(prefix_lens, extend_lens):
+            in_last_page = (-prefix) % p if prefix > 0 else 0
+            pages_needed.append(-(-max(extend - in_last_page, 0) // p))
+        pages = self._take_pages(sum(pages_needed))
+        if pages is None:
+            return None
+        out, cursor = [], 0
+        for prefix, extend, last, n_pages in zip(prefix_lens, extend_lens, last_slots,
+                                                 pages_needed):
+            in_last_page = min((-prefix) % p if prefix > 0 else 0, extend)
+            if in_last_page:
+                out.append(torch.arange(last + 1, last + 1 + in_last_page, dtype=torch.int64))
+            mine = pages[cursor : cursor + n_pages]
+            cursor += n_pages
+            slots = (mine[:, None] * p + torch.arange(p)[None, :]).reshape(-1)
+            out.append(slots[: extend - in_last_page])
+        return torch.cat(out) if out else torch.empty(0, dtype=torch.int64)
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Return slots. With pages, a page is returned when any of its slots is passed: callers
+        free a page only once they hold none of its tokens any more."""
+        if slots.numel() == 0:
+            return
+        slots = slots.to(torch.int64)
+        pages = slots if self.page_size == 1 else torch.unique(slots // self.page_size)
+        assert int(pages.min()) > 0, "slot 0 (padding) must never be freed"
+        self._released.append(pages)

@@ -1,0 +1,75 @@
+"""The plain batch description the scheduler hands to a worker, and what comes back.
+
+Length vocabulary (per request ``i``, the same words the scheduler uses):
+- ``prefix_lens[i]``  tokens whose K/V already sit in slots (cached prefix, earlier chunks,
+  earlier decode steps): the worker does not recompute them.
+- ``extend_lens[i]``  tokens computed in this step (the prompt's uncached part, a chunk, or 1
+  for a decode step). ``seq_len = prefix_len + extend_len``.
+
+Slots: the worker keeps its own mirror of the request-to-token table. Rule: a request whose
+``prefix_slot_lens[i] > 0`` carries its whole prefix's slots (in ``prefix_slots``) and the worker
+writes them to row ``req_pool_indices[i]`` before the forward; every request carries the slots
+of its new tokens in ``out_cache_loc``. Decode requests carry no prefix slots: the worker wrote
+them in earlier steps. Everything here is CPU tensors and plain Python, so it pickles cheaply
+across Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64; negative = future reference (overlap scheduling)
+    positions: torch.Tensor  # [T] int64
+    req_pool_indices: torch.Tensor  # [B] int64, rows of the request-to-token table
+    prefix_lens: torch.Tensor  # [B] int64
+    extend_lens: torch.Tensor  # [B] int64; sum == T
+    out_cache_loc: torch.Tensor  # [T] int64, slot for each new token's K/V
+    prefix_slots: torch.Tensor  # [sum(prefix_slot_lens)] int64
+    prefix_slot_lens: torch.Tensor  # [B] int64, 0 or prefix_lens[i]
+    sampling_params: list[SamplingParams]  # [B]
+    # Token history for penalties, only for requests with penalties on (else None):
+    # (prompt ids, output ids so far).
+    penalty_history: list[tuple[list[int], list[int]] | None] = field(default_factory=list)
+    # How many tokens each request has generated before this step (min_new_tokens, seeds).
+    output_lens: torch.Tensor | None = None  # [B] int64
+    # Logprobs: per request, return the chosen token's logprob and this many top logprobs
+    # (-1: none); input logprobs from extend-token index ``input_logprob_starts[i]`` on
+    # (-1: none).
+    return_logprob: torch.Tensor | None = None  # [B] bool
+    top_logprobs_num: torch.Tensor | None = None  # [B] int64
+    input_logprob_starts: torch.Tensor | None = None  # [B] int64
+    # Token bitmask from grammars, [B, ceil(V/32)] int32, or None when no request is constrained.
+    vocab_mask: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.req_pool_indices)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return bool((self.extend_lens == 1).all()) and int(self.prefix_slot_lens.sum()) == 0
+
+
+@dataclass
+class ForwardOutput:
+    next_token_ids: torch.Tensor  # [B] int64
+    next_token_logprobs: torch.Tensor | None = None  # [B] float32
+    # per request: (top logprobs [k], their token ids [k]) or None
+    top_logprobs: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
+    # per request with input_logprob_starts[i] = s >= 0: for extend-token indices j in
+    # [s, extend_len - 1), the logprob of extend token j + 1 under the logits at j; that is
+    # extend_len - 1 - s values. The token at s itself has no value (its logits were not
+    # computed here), which is why SGLang's contract puts a null first.
+    input_token_logprobs: list[torch.Tensor | None] | None = None
+    input_top_logprobs: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None

@@ -1,0 +1,124 @@
+"""Per-request sampling parameters, with SGLang's names and defaults.
+
+``SamplingParams.from_dict`` accepts what clients send (null or empty values mean "default") and
+``verify`` raises ``ValueError`` whose message starts with the offending field's name, so the
+HTTP layer can turn it into a 400 that names the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+GREEDY_TEMPERATURE = 1e-6  # temperature below this means greedy (argmax)
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop_regex: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    seed: int | None = None
+    logit_bias: dict[int, float] | None = None
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "SamplingParams":
+        """Build from a client dict. Unknown keys raise; None and empty values keep defaults."""
+        d = dict(d or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{unknown[0]}: unknown sampling parameter")
+        kwargs = {k: v for k, v in d.items() if v is not None and v != [] and v != ""}
+        for key in ("stop", "stop_regex"):
+            if isinstance(kwargs.get(key), str):
+                kwargs[key] = [kwargs[key]]
+        if isinstance(kwargs.get("stop_token_ids"), int):
+            kwargs["stop_token_ids"] = [kwargs["stop_token_ids"]]
+        if kwargs.get("logit_bias"):
+            try:
+                kwargs["logit_bias"] = {int(k): float(v) for k, v in kwargs["logit_bias"].items()}
+            except (TypeError, ValueError, AttributeError):
+                raise ValueError("logit_bias: must map token ids to numbers") from None
+        return cls(**kwargs)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, text) of the grammar constraint, if any."""
+        for kind in ("json_schema", "regex", "ebnf"):
+            value = getattr(self, kind)
+            if value is not None:
+                return kind, value
+        return None
+
+    def verify(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError("<field>: <problem>") for values no request may carry."""
+
+        def check(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"{name}: {msg}")
+
+        def is_int(x) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        def is_num(x) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+        check(is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens",
+              "must be a non-negative integer")
+        check(is_int(self.min_new_tokens) and 0 <= self.min_new_tokens, "min_new_tokens",
+              "must be a non-negative integer")
+        check(self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
+              "must not exceed max_new_tokens")
+        check(is_int(self.n) and 1 <= self.n <= 128, "n", "must be an integer in [1, 128]")
+        check(is_num(self.temperature) and self.temperature >= 0, "temperature",
+              "must be a number >= 0")
+        check(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        check(is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k",
+              "must be -1 (off) or a positive integer")
+        check(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        check(is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+              "frequency_penalty", "must be in [-2, 2]")
+        check(is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+              "presence_penalty", "must be in [-2, 2]")
+        check(is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
+              "repetition_penalty", "must be in (0, 2]")
+        check(isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop),
+              "stop", "must be a string or a list of strings")
+        check(isinstance(self.stop_token_ids, list)
+              and all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+              "must be a list of non-negative integers")
+        check(self.seed is None or is_int(self.seed), "seed", "must be an integer")
+        constraints = [k for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None]
+        check(len(constraints) <= 1, constraints[-1] if constraints else "regex",
+              "at most one of regex, json_schema and ebnf may be given")
+        if vocab_size is not None:
+            check(all(t < vocab_size for t in self.stop_token_ids), "stop_token_ids",
+                  f"token ids must be < vocab size {vocab_size}")
+            check(all(0 <= t < vocab_size for t in (self.logit_bias or {})), "logit_bias",
+                  f"token ids must be in [0, {vocab_size})")
