@@ -1,0 +1,140 @@
+"""Attention over token-granular KV slots, behind a small backend registry.
+
+The KV of a request is not contiguous: position ``p`` of the request in table row ``r`` lives in
+slot ``req_to_token[r, p]`` of every layer's K and V buffers. A backend first stores the new
+tokens' K/V at ``out_cache_loc``, then attends each new token to its request's slots
+``0 .. prefix_len + i`` (causal within the extend part).
+
+``torch_native`` is the reference: plain torch, runs on CPU and GPU. GPU kernels (``kernels/``)
+register further backends under their own names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_BACKENDS: dict[str, Callable[..., "AttentionBackend"]] = {}
+
+
+def register_attention_backend(name: str):
+    def wrap(cls):
+        ATTENTION_BACKENDS[name] = cls
+        return cls
+    return wrap
+
+
+def create_attention_backend(name: str, **kwargs) -> "AttentionBackend":
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend: unknown {name!r}; available: "
+                         f"{sorted(ATTENTION_BACKENDS)}")
+    return ATTENTION_BACKENDS[name](**kwargs)
+
+
+class KVCache:
+    """Per-layer K and V buffers, ``[num_slots, kv_heads_local, head_dim]``, plus this worker's
+    mirror of the request-to-token table (filled from each batch's slot lists)."""
+
+    def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str, max_requests: int,
+                 max_context_len: int):
+        shape = (num_slots, kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.req_to_token = torch.zeros((max_requests + 1, max_context_len), dtype=torch.int64,
+                                        device=device)
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class AttentionMetadata:
+    """What every layer's attention needs to know about the batch (device tensors)."""
+
+    req_rows: torch.Tensor  # [B]
+    prefix_lens: torch.Tensor  # [B]
+    extend_lens: torch.Tensor  # [B]
+    out_cache_loc: torch.Tensor  # [T]
+    # host copies for Python-side loops
+    prefix_lens_cpu: list[int]
+    extend_lens_cpu: list[int]
+    decode_only: bool
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        return self.prefix_lens + self.extend_lens
+
+
+class AttentionBackend:
+    """Interface: ``prepare(meta, kv)`` once per batch, then ``forward`` once per layer."""
+
+    def prepare(self, meta: AttentionMetadata, kv: KVCache) -> None:
+        raise NotImplementedError
+
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, Hq * D]."""
+        raise NotImplementedError
+
+
+@register_attention_backend("torch_native")
+class TorchNativeBackend(AttentionBackend):
+    """Reference backend. Decode-only batches gather every request's slots into one padded
+    ``[B, L]`` block and run one masked SDPA; extend batches run one causal SDPA per request."""
+
+    def __init__(self, **_):
+        self.meta: AttentionMetadata | None = None
+
+    def prepare(self, meta: AttentionMetadata, kv: KVCache) -> None:
+        self.meta, self.kv = meta, kv
+        if meta.decode_only:
+            max_len = max(p + e for p, e in zip(meta.prefix_lens_cpu, meta.extend_lens_cpu))
+            seq_lens = meta.seq_lens
+            self.slots = kv.req_to_token[meta.req_rows, :max_len]  # [B, L]
+            self.valid = (torch.arange(max_len, device=seq_lens.device)[None, :]
+                          < seq_lens[:, None])  # [B, L]
+        else:
+            self.row_slots = []
+            for row, prefix, extend in zip(meta.req_rows.tolist(), meta.prefix_lens_cpu,
+                                           meta.extend_lens_cpu):
+                self.row_slots.append(kv.req_to_token[row, : prefix + extend])
+
+    def forward(self, layer_id, q, k, v):
+        meta, kv = self.meta, self.kv
+        k_buf, v_buf = kv.k[layer_id], kv.v[layer_id]
+        k_buf[meta.out_cache_loc] = k
+        v_buf[meta.out_cache_loc] = v
+        if meta.decode_only:
+            return self._decode(q, k_buf, v_buf)
+        return self._extend(q, k_buf, v_buf)
+
+    def _decode(self, q, k_buf, v_buf):
+        batch, heads, dim = q.shape
+        keys = k_buf[self.slots].transpose(1, 2)  # [B, Hkv, L, D]
+        values = v_buf[self.slots].transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values,  # q: [B, Hq, 1, D]
+            attn_mask=self.valid[:, None, None, :], enable_gqa=True)
+        return out.reshape(batch, heads * dim)
+
+    def _extend(self, q, k_buf, v_buf):
+        meta = self.meta
+        outputs, start = [], 0
+        for slots, prefix, extend in zip(self.row_slots, meta.prefix_lens_cpu,
+                                         meta.extend_lens_cpu):
+            q_i = q[start : start + extend].transpose(0, 1)  # [Hq, E, D]
+            keys = k_buf[slots].transpose(0, 1)  # [Hkv, S, D]
+            values = v_buf[slots].transpose(0, 1)
+            # new token i sits at position prefix + i and sees positions 0 .. prefix + i
+            causal = (torch.arange(prefix + extend, device=q.device)[None, :]
+                      <= torch.arange(prefix, prefix + extend, device=q.device)[:, None])
+            out = F.scaled_dot_product_attention(q_i, keys, values, attn_mask=causal,
+                                                 enable_gqa=True)
+            outputs.append(out.transpose(0, 1).reshape(extend, -1))
+            start += extend
+        return torch.cat(outputs, dim=0)

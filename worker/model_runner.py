@@ -1,0 +1,163 @@
+"""ModelRunner: one rank's model, KV buffers and sampler; turns a ForwardBatch into tokens.
+
+Per batch: write the batch's slot lists into this worker's request-to-token mirror, run the
+model over the new tokens only, take logits at each request's last new token (and at the
+positions whose input logprobs were asked for), sample. Only rank 0's sampled tokens are used;
+every rank runs the same code so collectives line up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention import AttentionMetadata, KVCache, create_attention_backend
+from .forward_batch import ForwardBatch, ForwardOutput
+from .loader import load_weights
+from .model_config import ModelConfig
+from .models import MODEL_REGISTRY
+from .parallel import TensorParallel
+from .sampler import Sampler, token_logprobs
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_KV_BUDGET_BYTES = 1 << 30  # default KV pool on CPU when neither size nor fraction is given
+MAX_DEFAULT_TOKENS = 1 << 17
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    model_path: str
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
+    device: str = "cpu"
+    max_total_tokens: int | None = None  # KV pool size in tokens; None: from memory
+    mem_fraction_static: float = 0.85  # GPU: share of device memory for weights + KV
+    max_running_requests: int | None = None
+    max_context_len: int | None = None
+    page_size: int = 1
+    attention_backend: str = "torch_native"
+    load_format: str = "safetensors"  # or "dummy": random weights, for GPU benchmarks
+    tp_rank: int = 0
+    tp_size: int = 1
+    seed: int = 0
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.float32 if self.device == "cpu" else torch.bfloat16
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype: unknown {self.dtype!r}; use auto or one of "
+                             f"{sorted(_DTYPES)}")
+        return _DTYPES[self.dtype]
+
+
+class ModelRunner:
+    def __init__(self, cfg: RunnerConfig):
+        self.cfg = cfg
+        self.tp = TensorParallel(cfg.tp_rank, cfg.tp_size)
+        self.device = torch.device(cfg.device)
+        self.model_config = mc = ModelConfig.from_pretrained(cfg.model_path)
+        dtype = cfg.torch_dtype
+        torch.manual_seed(cfg.seed)
+        self.model = self._build_model(mc, dtype)
+        self.max_context_len = cfg.max_context_len or mc.context_len
+        self.max_running_requests = cfg.max_running_requests or 256
+        kv_heads = self.tp.kv_head_range(mc.num_kv_heads)[1]
+        self.max_total_tokens = self._pool_size(mc, kv_heads, dtype)
+        # slots 0 .. max_total_tokens (slot 0 = padding); rounded up to whole pages
+        num_slots = (self.max_total_tokens // cfg.page_size + 1) * cfg.page_size
+        self.kv = KVCache(mc.num_layers, num_slots, kv_heads, mc.head_dim, dtype, self.device,
+                          self.max_running_requests, self.max_context_len)
+        self.attn = create_attention_backend(cfg.attention_backend, device=self.device,
+                                             model_config=mc)
+        self.sampler = Sampler(mc.eos_token_ids, seed=cfg.seed)
+
+    def _build_model(self, mc: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(self.device):
+                model = MODEL_REGISTRY[mc.architecture](mc, self.tp)
+        finally:
+            torch.set_default_dtype(previous)
+        if self.cfg.load_format == "dummy":
+            for p in model.parameters():
+                torch.nn.init.normal_(p, std=0.02)
+        elif self.cfg.load_format == "safetensors":
+            load_weights(model, self.cfg.model_path)
+        else:
+            raise ValueError(f"load_format: unknown {self.cfg.load_format!r}")
+        return model.eval()
+
+    def _pool_size(self, mc: ModelConfig, kv_heads: int, dtype: torch.dtype) -> int:
+        if self.cfg.max_total_tokens is not None:
+            if self.cfg.max_total_tokens < self.cfg.page_size:
+                raise ValueError("max_total_tokens: must hold at least one page")
+            return self.cfg.max_total_tokens
+        per_token = KVCache.bytes_per_token(mc.num_layers, kv_heads, mc.head_dim, dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = total * self.cfg.mem_fraction_static - used
+            if budget < per_token * 1024:
+                raise ValueError(f"mem_fraction_static: {self.cfg.mem_fraction_static} leaves "
+                                 f"{budget / 2**30:.2f} GiB for the KV pool; too little")
+            return int(budget // per_token)
+        return min(CPU_KV_BUDGET_BYTES // per_token, MAX_DEFAULT_TOKENS)
+
+    # ------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        dev = self.device
+        input_ids = self.resolve_input_ids(batch.input_ids).to(dev)
+        meta = self._prepare_slots(batch)
+        self.attn.prepare(meta, self.kv)
+        hidden = self.model(input_ids, batch.positions.to(dev), self.attn)  # [T, H]
+        last = torch.cumsum(batch.extend_lens, 0) - 1  # index of each request's last new token
+        logits = self.model.logits(hidden[last.to(dev)])  # [B, V]
+        out = self.sampler(logits, batch)
+        if batch.input_logprob_starts is not None and bool((batch.input_logprob_starts >= 0).any()):
+            out.input_token_logprobs = self._input_logprobs(batch, hidden, input_ids)
+        return out
+
+    def resolve_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Seam for overlap scheduling: future references (negative ids) are resolved here."""
+        if bool((input_ids < 0).any()):
+            raise ValueError("input_ids: future token references need the overlap worker")
+        return input_ids
+
+    def _prepare_slots(self, batch: ForwardBatch) -> AttentionMetadata:
+        dev, table = self.device, self.kv.req_to_token
+        rows = batch.req_pool_indices.to(dev)
+        prefix_lens, extend_lens = batch.prefix_lens.tolist(), batch.extend_lens.tolist()
+        carried = batch.prefix_slot_lens.tolist()
+        prefix_slots = batch.prefix_slots.to(dev)
+        out_loc = batch.out_cache_loc.to(dev)
+        p_off = o_off = 0
+        for i, row in enumerate(batch.req_pool_indices.tolist()):
+            if carried[i]:
+                table[row, : carried[i]] = prefix_slots[p_off : p_off + carried[i]]
+                p_off += carried[i]
+            table[row, prefix_lens[i] : prefix_lens[i] + extend_lens[i]] = \
+                out_loc[o_off : o_off + extend_lens[i]]
+            o_off += extend_lens[i]
+        return AttentionMetadata(
+            req_rows=rows, prefix_lens=batch.prefix_lens.to(dev),
+            extend_lens=batch.extend_lens.to(dev), out_cache_loc=out_loc,
+            prefix_lens_cpu=prefix_lens, extend_lens_cpu=extend_lens,
+            decode_only=all(e == 1 for e in extend_lens) and not any(carried))
+
+    def _input_logprobs(self, batch: ForwardBatch, hidden: torch.Tensor,
+                        input_ids: torch.Tensor) -> list[torch.Tensor | None]:
+        result: list[torch.Tensor | None] = []
+        offset = 0
+        for start, extend in zip(batch.input_logprob_starts.tolist(), batch.extend_lens.tolist()):
+            if start < 0 or start >= extend - 1:
+                result.append(None if start < 0 else torch.empty(0))
+            else:
+                positions = slice(offset + start, offset + extend - 1)
+                logits = self.model.logits(hidden[positions])
+                targets = input_ids[offset + start + 1 : offset + extend]
+                result.append(token_logprobs(logits, targets).cpu())
+            offset += extend
+        return result
