@@ -71,6 +71,11 @@ class ModelRunner:
         self.attn = create_attention_backend(cfg.attention_backend, device=self.device,
                                              model_config=mc)
         self.sampler = Sampler(mc.eos_token_ids, seed=cfg.seed)
+        # Overlap scheduling's output buffer: the last token sampled for each table row. A
+        # decode input of -r means "the token this worker sampled for row r last step". -1
+        # marks a row with nothing written yet; reading it is a scheduler bug and raises.
+        self.future_tokens = torch.full((self.max_running_requests + 1,), -1, dtype=torch.int64,
+                                        device=self.device)
 
     def _build_model(self, mc: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
         previous = torch.get_default_dtype()
@@ -116,15 +121,24 @@ class ModelRunner:
         last = torch.cumsum(batch.extend_lens, 0) - 1  # index of each request's last new token
         logits = self.model.logits(hidden[last.to(dev)])  # [B, V]
         out = self.sampler(logits, batch)
+        # Every rank samples from the same gathered logits with the same generator state, so
+        # every rank's buffer holds the same tokens.
+        self.future_tokens[batch.req_pool_indices.to(dev)] = out.next_token_ids
         if batch.input_logprob_starts is not None and bool((batch.input_logprob_starts >= 0).any()):
             out.input_token_logprobs = self._input_logprobs(batch, hidden, input_ids)
         return out
 
     def resolve_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Seam for overlap scheduling: future references (negative ids) are resolved here."""
-        if bool((input_ids < 0).any()):
-            raise ValueError("input_ids: future token references need the overlap worker")
-        return input_ids
+        """Replace future references (-row) by the token sampled for that row last step."""
+        future = input_ids < 0
+        if not bool(future.any()):
+            return input_ids
+        resolved = input_ids.clone()
+        values = self.future_tokens[(-input_ids[future]).to(self.device)].to(input_ids.device)
+        if bool((values < 0).any()):
+            raise RuntimeError("future token read before it was written (scheduler bug)")
+        resolved[future] = values
+        return resolved
 
     def _prepare_slots(self, batch: ForwardBatch) -> AttentionMetadata:
         dev, table = self.device, self.kv.req_to_token
@@ -135,6 +149,8 @@ class ModelRunner:
         out_loc = batch.out_cache_loc.to(dev)
         p_off = o_off = 0
         for i, row in enumerate(batch.req_pool_indices.tolist()):
+            if carried[i] or prefix_lens[i] == 0:
+                self.future_tokens[row] = -1  # a row's new owner has sampled nothing yet
             if carried[i]:
                 table[row, : carried[i]] = prefix_slots[p_off : p_off + carried[i]]
                 p_off += carried[i]

@@ -1,0 +1,109 @@
+"""The tensor-parallel ranks of one replica: placement, start-up, stepping, tear-down.
+
+``WorkerGroup`` reserves one bundle per rank in a STRICT_PACK placement group (so a TP group
+never spans machines), starts a ``TPWorker`` actor in each, joins them into a process group
+through a port that rank 0 picks, and loads the shards. It then looks like a model runner to
+the scheduler: ``submit(batch)`` returns a handle at once (overlap scheduling submits the next
+batch before this one's tokens are back), ``result(handle)`` waits for the tokens with a
+per-step timeout, ``forward(batch)`` does both.
+
+Any failure (actor died, step timed out, start-up error) raises ``WorkerGroupError``; the caller
+decides to restart. ``shutdown`` always leaves nothing running.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ..worker.forward_batch import ForwardBatch, ForwardOutput
+from ..worker.model_runner import RunnerConfig
+from .tp_worker import TPWorker
+
+
+class WorkerGroupError(RuntimeError):
+    """A rank died, hung past the step timeout, or failed to start."""
+
+
+class WorkerGroup:
+    def __init__(self, runner_cfg: RunnerConfig, tp_size: int = 1, step_timeout_s: float = 60.0,
+                 start_timeout_s: float = 300.0):
+        self.tp_size, self.step_timeout_s = tp_size, step_timeout_s
+        use_gpu = runner_cfg.device == "cuda"
+        bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
+        self.pg = placement_group([dict(bundle) for _ in range(tp_size)], strategy="STRICT_PACK")
+        self.workers: list = []
+        self.follow_refs: list = []
+        try:
+            ray.get(self.pg.ready(), timeout=start_timeout_s)
+            actor_cls = ray.remote(TPWorker)
+            for rank in range(tp_size):
+                strategy = PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=rank)
+                cfg = dataclasses.replace(runner_cfg, tp_rank=rank, tp_size=tp_size)
+                self.workers.append(actor_cls.options(
+                    num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                    scheduling_strategy=strategy, max_concurrency=2).remote(rank, tp_size, cfg))
+            addr = ray.get(self.workers[0].node_address.remote(), timeout=start_timeout_s)
+            port = ray.get(self.workers[0].pick_port.remote(), timeout=start_timeout_s)
+            infos = ray.get([w.init.remote(addr, port) for w in self.workers],
+                            timeout=start_timeout_s)
+        except Exception as e:
+            self.shutdown()
+            raise WorkerGroupError(f"replica workers failed to start: {_reason(e)}") from e
+        self.info = infos[0]
+        self.max_total_tokens = self.info["max_total_tokens"]
+        self.max_running_requests = self.info["max_running_requests"]
+        self.max_context_len = self.info["max_context_len"]
+        self.follow_refs = [w.follow.remote() for w in self.workers[1:]]
+
+    def submit(self, batch: ForwardBatch):
+        return self.workers[0].forward.remote(batch)
+
+    def result(self, handle) -> ForwardOutput:
+        try:
+            return ray.get(handle, timeout=self.step_timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            raise WorkerGroupError(f"a forward step took longer than {self.step_timeout_s}s "
+                                   "(hung collective or worker)") from e
+        except Exception as e:
+            raise WorkerGroupError(f"worker failed: {_reason(e)}") from e
+
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        return self.result(self.submit(batch))
+
+    def check_peers(self) -> None:
+        """Raise if a peer's ``follow`` loop has ended (it only ends by dying here)."""
+        done, _ = ray.wait(self.follow_refs, timeout=0) if self.follow_refs else ([], [])
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception as e:
+                raise WorkerGroupError(f"tensor-parallel peer died: {_reason(e)}") from e
+            raise WorkerGroupError("tensor-parallel peer left its loop")
+
+    def pids(self) -> list[int]:
+        return ray.get([w.pid.remote() for w in self.workers], timeout=30)
+
+    def shutdown(self) -> None:
+        """Kill every rank and release the placement group. Safe to call twice."""
+        for w in self.workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:
+                pass
+        self.workers, self.follow_refs = [], []
+        if self.pg is not None:
+            try:
+                remove_placement_group(self.pg)
+            except Exception:
+                pass
+            self.pg = None
+
+
+def _reason(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[-1] if text else ''}"
