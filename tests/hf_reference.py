@@ -19,18 +19,30 @@ def hf_model(model_path: str):
     return model.eval()
 
 
+# transformers >= 5.2x renamed past_key_values to cache; support both spellings
+_CACHE_KWARG = "cache"
+
+
+def _cache_of(out):
+    global _CACHE_KWARG
+    if "cache" in out:
+        return out["cache"]
+    _CACHE_KWARG = "past_key_values"
+    return out["past_key_values"]
+
+
 @torch.inference_mode()
 def hf_greedy(model_path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     model = hf_model(model_path)
     out = model(torch.tensor([prompt_ids]), use_cache=True)
-    past, tokens = out.past_key_values, []
+    past, tokens = _cache_of(out), []
     next_id = int(out.logits[0, -1].argmax())
     for _ in range(max_new_tokens):
         tokens.append(next_id)
         if len(tokens) == max_new_tokens:
             break
-        out = model(torch.tensor([[next_id]]), past_key_values=past, use_cache=True)
-        past, next_id = out.past_key_values, int(out.logits[0, -1].argmax())
+        out = model(torch.tensor([[next_id]]), **{_CACHE_KWARG: past}, use_cache=True)
+        past, next_id = _cache_of(out), int(out.logits[0, -1].argmax())
     return tokens
 
 
