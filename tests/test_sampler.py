@@ -137,6 +137,18 @@ def test_filter_logits_large_vocab_matches_reference(scale, device):
     assert torch.equal(out[3], x[3])
 
 
+def test_top_p_counts_mass_outside_the_ranked_candidates():
+    # 1100 likely tokens hold ~95% of the mass, 1900 unlikely ones the rest: the nucleus for
+    # top_p=0.9 lies inside the top 1024, but must be measured against the full vocabulary.
+    torch.manual_seed(4)
+    x = torch.cat([torch.randn(1100) * 0.3 + 5.0, torch.full((1900,), 1.6)])
+    probs = x.softmax(-1)
+    assert 0.9 < probs.topk(1024).values.sum() < 0.97
+    one = torch.ones(1)
+    out = filter_logits(x[None], one, -one.long(), one * 0.9, one * 0.0)[0]
+    assert torch.equal(torch.isfinite(out), reference_distribution(x, top_p=0.9) > 0)
+
+
 def test_temperature_sharpens():
     hot = draw(LOGITS, SamplingParams(temperature=2.0), n=6000)
     cold = draw(LOGITS, SamplingParams(temperature=0.25), n=6000)
@@ -243,7 +255,8 @@ def test_vocab_mask_layout_matches_xgrammar():
     assert torch.equal(ours, theirs)
 
 
-def test_vocab_mask_excludes_tokens():
+@pytest.mark.parametrize("device", DEVICES)
+def test_vocab_mask_excludes_tokens(device):
     v = 40
     allowed = [1, 7, 31, 32, 39]
     word = [0, 0]
@@ -254,7 +267,8 @@ def test_vocab_mask_excludes_tokens():
     logits = torch.randn(n, v)
     logits[:, 0] = 50.0  # the model's favourite is forbidden
     params = [SamplingParams(temperature=1.0)] * (n - 1) + [SamplingParams(temperature=0.0)]
-    out = Sampler(seed=0)(logits, make_batch(params, vocab_mask=row.expand(n, 2).contiguous()))
+    mask = row.expand(n, 2).contiguous()
+    out = Sampler(seed=0)(logits.to(device), make_batch(params, vocab_mask=mask))
     assert set(out.next_token_ids.tolist()) == set(allowed)
     assert out.next_token_ids[-1] == allowed[int(logits[-1, allowed].argmax())]
 
@@ -314,7 +328,8 @@ def test_logprob_helpers_equal_log_softmax():
     assert torch.equal(ids[:, 0], logits.bfloat16().argmax(-1))
 
 
-def test_forward_output_logprobs_are_raw_model_logprobs():
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_output_logprobs_are_raw_model_logprobs(device):
     torch.manual_seed(0)
     logits = torch.randn(4, 50)
     params = [SamplingParams(temperature=0.7, top_k=5, repetition_penalty=1.5),
@@ -323,7 +338,9 @@ def test_forward_output_logprobs_are_raw_model_logprobs():
               SamplingParams(temperature=0.0)]
     batch = make_batch(params, history=[([1, 2], [3]), None, None, None],
                        return_logprob=[True, True, False, True], top_logprobs_num=[3, 0, 5, 50])
-    out = Sampler(seed=0)(logits, batch)
+    out = Sampler(seed=0)(logits.to(device), batch)
+    out.next_token_ids = out.next_token_ids.cpu()
+    out.next_token_logprobs = out.next_token_logprobs.cpu()
     ref = torch.log_softmax(logits, -1)
     assert out.next_token_ids[1] == 0  # the bias steered the token ...
     assert out.next_token_logprobs.dtype == torch.float32
