@@ -119,6 +119,7 @@ def scrape_and_query(tmp_path, targets, queries, timeout=15.0):
     until every query in `queries` returns a series and return {query: result}."""
     port = free_port()
     config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+              "rule_files": [str(PROM_DIR / "alerts.yml")],
               "scrape_configs": [{"job_name": "radixray-replicas",
                                   "static_configs": [{"targets": targets}]}]}
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
@@ -136,6 +137,9 @@ def scrape_and_query(tmp_path, targets, queries, timeout=15.0):
             except OSError:  # not listening yet
                 results = {}
             if results and all(results.values()):
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/rules", timeout=5) as r:
+                    groups = json.load(r)["data"]["groups"]
+                results["alerts"] = sorted(rule["name"] for g in groups for rule in g["rules"])
                 return results
             time.sleep(0.25)
         raise AssertionError(f"no data after {timeout}s: {results}\n"
@@ -163,6 +167,7 @@ def test_real_prometheus_scrapes_engine_metrics(tmp_path):
     finally:
         server.shutdown()
         server.server_close()
+    assert results["alerts"] == sorted(ALERTS)  # the shipped rules load in a real server
     assert results['up{job="radixray-replicas"}'][0]["value"][1] == "1"
     (tokens,) = results["radixray:prompt_tokens_total"]
     assert tokens["metric"]["model_name"] == "tiny-llama"

@@ -1,6 +1,7 @@
 """deploy/ray cluster YAMLs: valid for Ray's own schema and config preparation, and they install
 radixray and start `radixray serve` on the head."""
 
+import argparse
 import copy
 import json
 import os
@@ -105,3 +106,14 @@ def test_gpu_workers_fit_a_replica(name):
     assert worker["min_workers"] * (gpus // tp) >= replicas
     # The model path the replicas load is the one the setup commands download to.
     assert any(flags["--model"] in c for c in cfg["setup_commands"])
+
+
+@pytest.mark.parametrize("name", CLUSTERS)
+def test_serve_flags_exist_in_the_serve_cli(name):
+    cli = pytest.importorskip("radixray.cluster.cli")
+    if "serve" not in getattr(cli, "SUBCOMMANDS", {}):
+        pytest.skip("`radixray serve` not in radixray.cluster.cli yet")
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    cli.SUBCOMMANDS["serve"][1](parser)
+    argv = shlex.split(serve_command(load(name)).split(">")[0])[3:]
+    parser.parse_args(argv)

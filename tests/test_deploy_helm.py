@@ -1,0 +1,292 @@
+"""helm/radixray: rendered with several values files and linted by Helm's own Go code
+(helm-python-sdk); core manifests validated with kubernetes-validate; the KubeRay RayCluster
+and the ServiceMonitor (CRDs) checked structurally, their pod templates as core PodSpecs."""
+
+import argparse
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+helm = pytest.importorskip("helm_python", reason="pip install helm-python-sdk")
+kubernetes_validate = pytest.importorskip("kubernetes_validate",
+                                          reason="pip install kubernetes-validate")
+
+REPO = Path(__file__).resolve().parent.parent
+CHART = REPO / "helm" / "radixray"
+K8S_VERSION = "1.30.0"
+CRD_API_GROUPS = ("ray.io/", "monitoring.coreos.com/")
+VALUES_FILES = ["default"] + sorted(p.name for p in (CHART / "ci").glob("*.yaml"))
+
+
+def values_for(name):
+    return {} if name == "default" else yaml.safe_load((CHART / "ci" / name).read_text())
+
+
+def merged_values(name):
+    return helm.Chart.load(CHART).merge_values(values_for(name))
+
+
+def render(values, name="demo", namespace="llm"):
+    rendered = helm.Chart.load(CHART).render(values, name=name, namespace=namespace)
+    docs = []
+    for path, text in rendered.items():
+        if path.endswith(".yaml"):
+            docs += [(path, d) for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def by_kind(docs, kind):
+    return [d for _, d in docs if d["kind"] == kind]
+
+
+@pytest.fixture(scope="module", params=VALUES_FILES)
+def case(request):
+    return request.param, merged_values(request.param), render(values_for(request.param))
+
+
+def test_there_are_several_values_files():
+    assert len(VALUES_FILES) >= 4
+
+
+@pytest.mark.parametrize("name", VALUES_FILES)
+def test_lint_strict_is_clean(name):
+    report = helm.lint(CHART, values_for(name), strict=True, namespace="llm")
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+def test_core_manifests_pass_kubernetes_validate(case):
+    _, _, docs = case
+    core = [d for _, d in docs if not d["apiVersion"].startswith(CRD_API_GROUPS)]
+    assert {"Service", "ConfigMap"} & {d["kind"] for d in core}
+    for doc in core:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_kubernetes_validate_rejects_a_bad_field():
+    """The strict validation above has teeth: an unknown field in a rendered Service fails."""
+    (service,) = [d for d in by_kind(render({}), "Service") if d["metadata"]["name"].endswith("-replicas")]
+    service["spec"]["portz"] = service["spec"].pop("ports")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(service, K8S_VERSION, strict=True)
+
+
+def as_pod(template):
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "template", "labels": template["metadata"]["labels"]},
+            "spec": template["spec"]}
+
+
+def container_command(container):
+    return " ".join(container.get("command", []) + container.get("args", []))
+
+
+def test_raycluster(case):
+    name, values, docs = case
+    (cluster,) = by_kind(docs, "RayCluster")
+    assert cluster["apiVersion"] == "ray.io/v1"
+    spec = cluster["spec"]
+    assert spec["rayVersion"] == values["ray"]["version"]
+    # KubeRay leaves our commands alone only with this annotation.
+    assert cluster["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
+
+    head = spec["headGroupSpec"]
+    kubernetes_validate.validate(as_pod(head["template"]), K8S_VERSION, strict=True)
+    (head_container,) = head["template"]["spec"]["containers"]
+    cmd = container_command(head_container)
+    assert "$KUBERAY_GEN_RAY_START_CMD" in cmd or "${KUBERAY_GEN_RAY_START_CMD" in cmd
+    serve = shlex.split(cmd.split("exec ", 1)[1])
+    assert serve[:2] == ["radixray", "serve"]
+    flags = dict(zip(serve[2::2], serve[3::2]))
+    assert flags["--ray-address"] == "auto"
+    assert flags["--port"] == str(values["serve"]["port"])
+    assert flags["--tp-size"] == str(values["tpSize"])
+    assert flags["--replicas"] == str(values["replicas"])
+    assert flags.get("--model", "") == values["model"]["path"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert head_container[probe]["httpGet"]["path"] == "/health"
+    assert "nvidia.com/gpu" not in str(head_container["resources"])
+
+    (group,) = spec["workerGroupSpecs"]
+    assert group["groupName"] == values["ray"]["worker"]["groupName"]
+    assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == values["replicas"]
+    assert group["rayStartParams"]["num-gpus"] == str(values["tpSize"])
+    kubernetes_validate.validate(as_pod(group["template"]), K8S_VERSION, strict=True)
+    (worker,) = group["template"]["spec"]["containers"]
+    for kind in ("requests", "limits"):
+        assert worker["resources"][kind]["nvidia.com/gpu"] == values["tpSize"]
+    assert "--block" in container_command(worker)
+    mounts = {m["mountPath"]: m for m in worker["volumeMounts"]}
+    assert "/dev/shm" in mounts
+    if values["model"]["persistentVolumeClaim"]:
+        assert mounts[values["model"]["mountPath"]]["readOnly"] is True
+        claims = [v["persistentVolumeClaim"]["claimName"]
+                  for v in group["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v]
+        assert claims == [values["model"]["persistentVolumeClaim"]]
+    image = f"{values['image']['repository']}:{values['image']['tag'] or '0.1.0'}"
+    assert head_container["image"] == worker["image"] == image
+
+
+def selects(selector, labels):
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def test_router(case):
+    name, values, docs = case
+    deployments = by_kind(docs, "Deployment")
+    if not values["router"]["enabled"]:
+        assert deployments == []
+        return
+    (deployment,) = deployments
+    (cluster,) = by_kind(docs, "RayCluster")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    assert args[:2] == ["radixray", "router"]
+    if values["router"]["workerUrls"]:
+        i = args.index("--worker-urls")
+        assert args[i + 1:i + 1 + len(values["router"]["workerUrls"])] == values["router"]["workerUrls"]
+        assert "--ray-address" not in args
+    else:
+        # KubeRay names the head's Service <RayCluster name>-head-svc; 10001 is the Ray client port.
+        address = args[args.index("--ray-address") + 1]
+        assert address == f"ray://{cluster['metadata']['name']}-head-svc:10001"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    (service,) = [s for s in by_kind(docs, "Service") if s["metadata"]["name"].endswith("-router")]
+    assert selects(service["spec"]["selector"], pod_labels)
+    assert not selects(service["spec"]["selector"],
+                       cluster["spec"]["headGroupSpec"]["template"]["metadata"]["labels"])
+    assert service["spec"]["ports"][0]["port"] == values["router"]["service"]["port"]
+    assert container["ports"][0]["containerPort"] == values["router"]["port"]
+
+
+def test_router_args_parse_with_the_router_cli(case):
+    """The flags the chart passes are flags `radixray router` has, with valid values."""
+    _, values, docs = case
+    cli = pytest.importorskip("radixray.router.cli")
+    for deployment in by_kind(docs, "Deployment"):
+        args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+        parser = cli.add_router_arguments(argparse.ArgumentParser(exit_on_error=False))
+        parsed = parser.parse_args(args[2:])
+        config = cli.config_from_args(parsed)
+        assert config.port == values["router"]["port"]
+        assert list(config.worker_urls) == values["router"]["workerUrls"]
+
+
+def serve_parser():
+    """`radixray serve`'s argument parser, or None before the subcommand exists."""
+    cli = pytest.importorskip("radixray.cluster.cli")
+    if "serve" not in getattr(cli, "SUBCOMMANDS", {}):
+        return None
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    cli.SUBCOMMANDS["serve"][1](parser)
+    return parser
+
+
+def test_serve_args_parse_with_the_serve_cli(case):
+    parser = serve_parser()
+    if parser is None:
+        pytest.skip("`radixray serve` not in radixray.cluster.cli yet")
+    _, _, docs = case
+    (cluster,) = by_kind(docs, "RayCluster")
+    (head,) = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    parser.parse_args(shlex.split(container_command(head).split("exec ", 1)[1])[2:])
+
+
+def test_replicas_service_selects_exactly_the_gpu_workers(case):
+    _, values, docs = case
+    (cluster,) = by_kind(docs, "RayCluster")
+    (service,) = [s for s in by_kind(docs, "Service") if s["metadata"]["name"].endswith("-replicas")]
+    selector = service["spec"]["selector"]
+    assert selects(selector, cluster["spec"]["workerGroupSpecs"][0]["template"]["metadata"]["labels"])
+    assert not selects(selector, cluster["spec"]["headGroupSpec"]["template"]["metadata"]["labels"])
+    (port,) = service["spec"]["ports"]
+    assert port["port"] == values["serve"]["replicaPort"]
+
+
+def alert_jobs():
+    text = (REPO / "deploy" / "prometheus" / "alerts.yml").read_text()
+    return set(re.findall(r'job="([^"]+)"', text))
+
+
+def test_servicemonitor(case):
+    _, values, docs = case
+    monitors = by_kind(docs, "ServiceMonitor")
+    if not values["serviceMonitor"]["enabled"]:
+        assert monitors == []
+        return
+    (monitor,) = monitors
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    for key, value in values["serviceMonitor"]["labels"].items():
+        assert monitor["metadata"]["labels"][key] == value
+    spec = monitor["spec"]
+    assert set(spec) <= {"jobLabel", "selector", "namespaceSelector", "endpoints"}
+    assert spec["namespaceSelector"] == {"matchNames": ["llm"]}
+    (endpoint,) = spec["endpoints"]
+    assert endpoint["path"] == "/metrics"
+    assert endpoint["interval"] == values["serviceMonitor"]["interval"]
+    scraped = [s for s in by_kind(docs, "Service") if selects(spec["selector"]["matchLabels"], s["metadata"]["labels"])]
+    jobs = {s["metadata"]["labels"][spec["jobLabel"]] for s in scraped}
+    expected = {"radixray-replicas"} | ({"radixray-router"} if values["router"]["enabled"] else set())
+    assert jobs == expected
+    # The alert rules select on these job names.
+    assert alert_jobs() <= jobs
+    for service in scraped:
+        assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+
+
+def test_dashboards_configmap(case):
+    _, values, docs = case
+    maps = by_kind(docs, "ConfigMap")
+    if not values["grafanaDashboards"]["enabled"]:
+        assert maps == []
+        return
+    (config_map,) = maps
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    expected = {p.name: p.read_text() for p in (REPO / "deploy" / "grafana").glob("*.json")}
+    assert config_map["data"] == expected
+
+
+def test_chart_dashboards_are_a_copy_of_deploy_grafana():
+    """Helm reads only files inside the chart, so the chart keeps a copy; keep it equal:
+    cp deploy/grafana/*.json helm/radixray/dashboards/"""
+    source = {p.name: p.read_bytes() for p in (REPO / "deploy" / "grafana").glob("*.json")}
+    copy = {p.name: p.read_bytes() for p in (CHART / "dashboards").glob("*.json")}
+    assert copy == source
+
+
+@pytest.mark.parametrize("values, field", [
+    ({"tpSize": 0}, "/tpSize"),
+    ({"tp_size": 2}, "tp_size"),
+    ({"replicas": "two"}, "/replicas"),
+    ({"router": {"workerUrls": ["10.0.0.1:30001"]}}, "/router/workerUrls/0"),
+    ({"serviceMonitor": {"interval": "often"}}, "/serviceMonitor/interval"),
+])
+def test_bad_values_are_rejected_naming_the_field(values, field):
+    with pytest.raises(helm.HelmValuesError, match=re.escape(field)):
+        helm.Chart.load(CHART).render(values, name="demo", namespace="llm")
+
+
+def test_long_release_names_keep_kuberay_names_valid():
+    docs = render({}, name="a-very-long-release-name-for-a-production-cluster-x")
+    (cluster,) = by_kind(docs, "RayCluster")
+    # KubeRay appends "-head-svc" and "-<group>-worker-xxxxx"; pod names stay under 63.
+    assert len(cluster["metadata"]["name"]) + len("-gpu-worker-xxxxx") <= 63
+
+
+def test_dockerfile_builds_the_default_image():
+    text = (REPO / "deploy" / "docker" / "Dockerfile").read_text()
+    runs = [l for l in text.splitlines() if l.startswith("RUN ")]
+    torch = next(i for i, l in enumerate(runs) if "TORCH_SPEC" in l)
+    radixray = next(i for i, l in enumerate(runs) if "pip install --no-cache-dir /opt/radixray" in l)
+    assert torch < radixray
+    assert "wget" in text  # KubeRay's injected probes call wget
+    assert re.search(r'^CMD \["radixray", "serve"', text, re.M)
+    # The chart's default tag is the package version the image installs.
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    version = re.search(r'^version = "([^"]+)"', (REPO / "pyproject.toml").read_text(), re.M).group(1)
+    assert chart["appVersion"] == version
