@@ -1,0 +1,68 @@
+"""GPU code paths, each beside a torch reference: Triton kernels and the attention backends
+built on them (``triton``, ``flashinfer``), plus CUDA graphs for decode.
+
+Importing this package imports neither triton nor flashinfer: ``load_attention_backend``
+imports a backend module (which registers it with ``worker.attention``) only when asked, and
+reports a missing optional dependency instead of raising.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+ATTENTION_BACKEND_CHOICES = ("auto", "torch_native", "triton", "flashinfer")
+_MODULES = {"triton": ".triton_backend", "flashinfer": ".flashinfer_backend"}
+_load_errors: dict[str, str] = {}
+
+
+def load_attention_backend(name: str) -> bool:
+    """Import (and so register) backend ``name``; False when its dependency is missing or
+    fails to import (the reason is kept for ``pick_attention_backend``'s error)."""
+    if name == "torch_native":
+        return True
+    if name not in _MODULES:
+        raise ValueError(f"attention_backend: unknown {name!r}")
+    if name in _load_errors:
+        return False
+    try:
+        importlib.import_module(_MODULES[name], __name__)
+        return True
+    except Exception as exc:  # ImportError, or a CUDA library that fails to load
+        _load_errors[name] = f"{type(exc).__name__}: {exc}"
+        return False
+
+
+def _device_type(device) -> str:
+    return device.type if hasattr(device, "type") else str(device).split(":")[0]
+
+
+def pick_attention_backend(requested: str, device) -> str:
+    """The backend name to pass to ``create_attention_backend``; imports (registers) it.
+
+    ``auto``: flashinfer, else triton, on CUDA; torch_native elsewhere. An explicit name is
+    checked against the device (triton off CUDA needs ``TRITON_INTERPRET=1``) and its
+    dependency; a clear ``attention_backend`` error names what is missing.
+    """
+    if requested not in ATTENTION_BACKEND_CHOICES:
+        raise ValueError(f"attention_backend: unknown {requested!r}; use one of "
+                         f"{list(ATTENTION_BACKEND_CHOICES)}")
+    on_cuda = _device_type(device) == "cuda"
+    if requested == "auto":
+        if on_cuda:
+            for name in ("flashinfer", "triton"):
+                if load_attention_backend(name):
+                    return name
+        return "torch_native"
+    if requested == "flashinfer" and not on_cuda:
+        raise ValueError("attention_backend: flashinfer needs a CUDA device")
+    if requested == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("attention_backend: triton needs a CUDA device (or TRITON_INTERPRET=1 "
+                         "on CPU, for tests)")
+    if not load_attention_backend(requested):
+        raise ValueError(f"attention_backend: {requested} is not available here "
+                         f"({_load_errors[requested]}); install the matching extra or use auto")
+    return requested
+
+
+__all__ = ["ATTENTION_BACKEND_CHOICES", "load_attention_backend", "pick_attention_backend"]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import pick_attention_backend
 from .attention import AttentionMetadata, KVCache, create_attention_backend
 from .forward_batch import ForwardBatch, ForwardOutput
 from .loader import load_weights
@@ -35,7 +36,8 @@ class RunnerConfig:
     max_running_requests: int | None = None
     max_context_len: int | None = None
     page_size: int = 1
-    attention_backend: str = "torch_native"
+    attention_backend: str = "auto"  # best available: flashinfer > triton on CUDA, else torch
+    disable_cuda_graph: bool = False
     load_format: str = "safetensors"  # or "dummy": random weights, for GPU benchmarks
     tp_rank: int = 0
     tp_size: int = 1
@@ -68,7 +70,8 @@ class ModelRunner:
         num_slots = (self.max_total_tokens // cfg.page_size + 1) * cfg.page_size
         self.kv = KVCache(mc.num_layers, num_slots, kv_heads, mc.head_dim, dtype, self.device,
                           self.max_running_requests, self.max_context_len)
-        self.attn = create_attention_backend(cfg.attention_backend, device=self.device,
+        self.attention_backend = pick_attention_backend(cfg.attention_backend, self.device)
+        self.attn = create_attention_backend(self.attention_backend, device=self.device,
                                              model_config=mc)
         self.sampler = Sampler(mc.eos_token_ids, seed=cfg.seed)
         # Overlap scheduling's output buffer: the last token sampled for each table row. A
@@ -76,6 +79,12 @@ class ModelRunner:
         # marks a row with nothing written yet; reading it is a scheduler bug and raises.
         self.future_tokens = torch.full((self.max_running_requests + 1,), -1, dtype=torch.int64,
                                         device=self.device)
+        self.graphs = None  # CUDA graphs of decode batches, when the backend allows them
+        if (self.device.type == "cuda" and not cfg.disable_cuda_graph
+                and getattr(self.attn, "supports_cuda_graph", False)):
+            from ..kernels.cuda_graph import CudaGraphRunner
+
+            self.graphs = CudaGraphRunner(self)
 
     def _build_model(self, mc: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
         previous = torch.get_default_dtype()
@@ -113,6 +122,8 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.forward(batch)
         dev = self.device
         input_ids = self.resolve_input_ids(batch.input_ids).to(dev)
         meta = self._prepare_slots(batch)
@@ -147,8 +158,11 @@ class ModelRunner:
         carried = batch.prefix_slot_lens.tolist()
         prefix_slots = batch.prefix_slots.to(dev)
         out_loc = batch.out_cache_loc.to(dev)
+        decode_only = all(e == 1 for e in extend_lens) and not any(carried)
+        if decode_only:  # one vectorised write: each row gains its new token's slot
+            table[rows, batch.prefix_lens.to(dev)] = out_loc
         p_off = o_off = 0
-        for i, row in enumerate(batch.req_pool_indices.tolist()):
+        for i, row in enumerate(batch.req_pool_indices.tolist() if not decode_only else []):
             if carried[i] or prefix_lens[i] == 0:
                 self.future_tokens[row] = -1  # a row's new owner has sampled nothing yet
             if carried[i]:
@@ -161,7 +175,7 @@ class ModelRunner:
             req_rows=rows, prefix_lens=batch.prefix_lens.to(dev),
             extend_lens=batch.extend_lens.to(dev), out_cache_loc=out_loc,
             prefix_lens_cpu=prefix_lens, extend_lens_cpu=extend_lens,
-            decode_only=all(e == 1 for e in extend_lens) and not any(carried))
+            decode_only=decode_only)
 
     def _input_logprobs(self, batch: ForwardBatch, hidden: torch.Tensor,
                         input_ids: torch.Tensor) -> list[torch.Tensor | None]:

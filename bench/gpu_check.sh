@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Device checks of issue 10, in one go, from the repo root of a plain checkout (no install):
+#   1. the kernel tests natively on the GPU (tests/test_kernels.py, incl. CUDA graphs);
+#   2. bench/gpu_bench.py (Llama-3-8B shape, random weights).
+# Logs and the JSON summary go to $OUT (default /tmp/gpu_check). BENCH_ARGS passes options
+# to the benchmark (e.g. BENCH_ARGS=--smoke for a dry run on a CPU machine).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_check}
+export OUT
+mkdir -p "$OUT"
+
+python - <<'EOF' 2>&1 | tee "$OUT/env.txt"
+import importlib, torch
+print("torch", torch.__version__, "cuda", torch.version.cuda,
+      torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")
+for name in ("triton", "flashinfer", "pytest", "safetensors", "transformers"):
+    try:
+        print(name, getattr(importlib.import_module(name), "__version__", "?"))
+    except Exception as exc:
+        print(name, "missing:", exc)
+EOF
+
+# the repo root is the package: link it as `radixray` instead of installing
+LINK=$(mktemp -d)
+ln -s "$PWD" "$LINK/radixray"
+export PYTHONPATH="$LINK${PYTHONPATH:+:$PYTHONPATH}"
+
+# --noconftest: the shared conftest pulls in Ray and tokenizer fixtures these tests never use
+timeout "${TEST_TIMEOUT:-120}" python -m pytest tests/test_kernels.py -q -rs --noconftest \
+    -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/pytest.txt"
+
+timeout "${BENCH_TIMEOUT:-280}" python bench/gpu_bench.py ${BENCH_ARGS:-} 2>&1 \
+    | tee "$OUT/gpu_bench.txt"
+echo "gpu_check done; files in $OUT"
