@@ -27,7 +27,7 @@ ln -s "$PWD" "$LINK/radixray"
 export PYTHONPATH="$LINK${PYTHONPATH:+:$PYTHONPATH}"
 
 # --noconftest: the shared conftest pulls in Ray and tokenizer fixtures these tests never use
-timeout "${TEST_TIMEOUT:-120}" python -m pytest tests/test_kernels.py -q -rs --noconftest \
+timeout "${TEST_TIMEOUT:-120}" python -m pytest tests/test_kernels.py tests/test_sampler.py -q -rs --noconftest \
     -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/pytest.txt"
 
 timeout "${BENCH_TIMEOUT:-280}" python bench/gpu_bench.py ${BENCH_ARGS:-} 2>&1 \
