@@ -64,6 +64,13 @@ def all_nodes(cache):
     return out
 
 
+# Prompts share prefixes in practice: a slice of one of a few "system prompts" plus a random
+# tail, so edges are shared, split at every depth, and locked paths get split later.
+_BASES = [[0, 1, 2, 3] * 4, [0, 1, 2, 3, 0, 1, 2, 3, 3, 2, 1, 0, 3, 2, 1, 0], [2] * 16]
+token_lists = st.builds(lambda b, n, tail: _BASES[b][:n] + tail, st.integers(0, 2),
+                        st.integers(0, 16), st.lists(st.integers(0, 3), max_size=6))
+
+
 class CacheMachine(RuleBasedStateMachine):
     """Random insert / match / lock / unlock / evict against a reference: a dict from every
     cached (extra_key, page-aligned prefix) to the slots of the prefix's last page."""
@@ -108,8 +115,8 @@ class CacheMachine(RuleBasedStateMachine):
         for _, extra, toks in self.locks:
             assert all((extra, tuple(toks[:i])) in self.ref for i in range(p, len(toks) + 1, p))
 
-    @rule(tokens=st.lists(st.integers(0, 3), max_size=12), extra=st.sampled_from([None, "a"]),
-          reuse=st.booleans(), is_chunk=st.booleans())
+    @rule(tokens=token_lists, extra=st.sampled_from([None, "a"]), reuse=st.booleans(),
+          is_chunk=st.booleans())
     def insert(self, tokens, extra, reuse, is_chunk):
         key = RadixKey(tokens, extra)
         prefix, node = self.cache.match_prefix(key) if reuse else (torch.empty(0, dtype=torch.int64), self.cache.root)
@@ -135,8 +142,7 @@ class CacheMachine(RuleBasedStateMachine):
                 assert all(n.hit_count == hits for n, hits in hits_before.items())
         self.cache.dec_lock_ref(node)
 
-    @rule(tokens=st.lists(st.integers(0, 3), max_size=12), extra=st.sampled_from([None, "a"]),
-          lock=st.booleans())
+    @rule(tokens=token_lists, extra=st.sampled_from([None, "a"]), lock=st.booleans())
     def match(self, tokens, extra, lock):
         indices, node = self.cache.match_prefix(RadixKey(tokens, extra))
         assert indices.dtype == torch.int64 and indices.tolist() == self.ref_match(extra, tokens)
@@ -200,7 +206,7 @@ class RealAllocatorPage4Machine(CacheMachine):
     real_allocator = True
 
 
-_fast = settings(max_examples=120, stateful_step_count=50, deadline=None,
+_fast = settings(max_examples=80, stateful_step_count=50, deadline=None,
                  suppress_health_check=[HealthCheck.too_slow])
 TestCacheProperties = CacheMachine.TestCase
 TestCacheProperties.settings = _fast
@@ -253,15 +259,21 @@ def test_galloping_finds_every_first_mismatch():
         assert cached(cache, base[:pos] + [7]) == pos
 
 
-def test_split_keeps_total_size_and_values():
+def test_split_keeps_total_size_values_and_locks():
     cache = RadixCache()
     value = cache.allocator.alloc(10)
     cache.insert(RadixKey(list(range(10))), value)
+    locked = cache.match_prefix(RadixKey(list(range(10)))).last_node
+    cache.inc_lock_ref(locked)
     indices, node = cache.match_prefix(RadixKey(list(range(4)) + [99]))
     assert indices.tolist() == value[:4].tolist()
     assert cache.total_size() == 10 and len(all_nodes(cache)) == 3
-    assert len(node.key) == 4 and len(next(iter(node.children.values())).key) == 6
+    assert len(node.key) == 4 and next(iter(node.children.values())) is locked
+    assert len(locked.key) == 6 and node.lock_ref == locked.lock_ref == 1
+    assert cache.protected_size() == 10 and cache.evictable_size() == 0
     assert cache.match_prefix(RadixKey(list(range(10)))).indices.tolist() == value.tolist()
+    cache.dec_lock_ref(locked)
+    assert node.lock_ref == 0 and cache.evictable_size() == 10
 
 
 def test_extra_key_isolation():
