@@ -1,0 +1,111 @@
+"""Incremental detokenization with stop strings.
+
+A request's output arrives a few token ids at a time; the client wants text a piece at a time.
+Two things make that harder than decoding each new token on its own:
+
+- A byte-level token can hold part of a UTF-8 character. Decoding a window that ends inside a
+  character yields U+FFFD, so text is released only once the window decodes cleanly (the
+  "prefix/read offset" scheme): ``decode(ids[prefix:])`` minus ``decode(ids[prefix:read])``.
+- A stop string may arrive split over several tokens. Text that could still become the start
+  of a stop string is held back until it either completes the stop (then it is cut off and the
+  stream ends) or can no longer match (then it is released).
+
+The non-streamed response uses the same object, so the concatenation of the streamed pieces is
+the non-streamed text by construction; for byte-level tokenizers both equal
+``tokenizer.decode(output_ids)`` (tested).
+"""
+
+from __future__ import annotations
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output token ids into released text.
+
+    ``add`` and ``finish`` return the newly released text; ``text`` is everything released so
+    far; ``matched_stop`` is the stop string that ended the output (then further ids are
+    ignored).
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True,
+                 stop: list[str] | None = None, no_stop_trim: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = [s for s in (stop or []) if s]
+        self.no_stop_trim = no_stop_trim
+        self.ids: list[int] = []
+        self.text = ""  # released
+        self.matched_stop: str | None = None
+        self._decoded = ""  # clean decoded text of ids[:read], released or held back
+        self._prefix = 0  # decode window start: the previous read offset
+        self._read = 0  # ids[:read] are in _decoded
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_ids: list[int]) -> str:
+        """Append ``token_ids``; return the text that is now safe to send (may be "")."""
+        if self.matched_stop is not None:
+            return ""
+        self.ids.extend(token_ids)
+        self._advance(final=False)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """The output ended: release everything still held (a trailing partial character is
+        decoded as U+FFFD, as a full decode would) unless a stop string already ended it."""
+        if self.matched_stop is not None:
+            return ""
+        self._advance(final=True)
+        return self._release(final=True)
+
+    def _advance(self, final: bool) -> None:
+        if self._read == len(self.ids):
+            return
+        prefix_text = self._decode(self.ids[self._prefix:self._read])
+        new_text = self._decode(self.ids[self._prefix:])
+        # Wait while the window ends inside a character; a special token skipped on decode
+        # adds nothing and simply stays in the next window.
+        if len(new_text) > len(prefix_text) and (final or not new_text.endswith(REPLACEMENT_CHAR)):
+            self._decoded += new_text[len(prefix_text):]
+            self._prefix, self._read = self._read, len(self.ids)
+
+    def _release(self, final: bool) -> str:
+        sent = len(self.text)
+        end = len(self._decoded)
+        found = self._find_stop(sent)
+        if found is not None:
+            pos, stop = found
+            self.matched_stop = stop
+            end = pos + len(stop) if self.no_stop_trim else pos
+        elif not final:
+            end -= self._holdback(sent)
+        piece = self._decoded[sent:end]
+        self.text += piece
+        return piece
+
+    def _find_stop(self, start: int) -> tuple[int, str] | None:
+        # A stop cannot begin before `start`: any text that could begin one was held back.
+        best = None
+        for stop in self.stop:
+            pos = self._decoded.find(stop, start)
+            if pos >= 0 and (best is None or pos < best[0]):
+                best = (pos, stop)
+        return best
+
+    def _holdback(self, start: int) -> int:
+        """Length of the longest unreleased suffix that is a proper prefix of a stop string."""
+        tail = self._decoded[start:]
+        longest = 0
+        for stop in self.stop:
+            for k in range(min(len(stop) - 1, len(tail)), longest, -1):
+                if tail.endswith(stop[:k]):
+                    longest = k
+                    break
+        return longest
+
+
+def token_texts(tokenizer, token_ids: list[int]) -> list[str]:
+    """Each token decoded on its own (special tokens kept), for logprob entries."""
+    return [tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]

@@ -1,0 +1,242 @@
+"""The offline Engine: tokenizer, model runner and scheduler in one process, no Ray.
+
+    from radixray.cluster import Engine
+
+    with Engine("path/to/model", schedule_policy="lpm") as engine:
+        outs = engine.generate(["Hello", "Hello there"], sampling_params={"max_new_tokens": 8})
+
+``generate`` queues every prompt at once and steps the scheduler until all are done, so a batch
+call gets continuous batching and prefix sharing; results come back in input order, shaped as
+SGLang's ``/generate`` response. Server arguments take SGLang's names.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from ..scheduler.config import SchedulerConfig
+from ..scheduler.request import Req, RequestOutput
+from ..scheduler.scheduler import Scheduler
+from ..scheduler.stop import trim_stop_text, visible_output_ids
+from ..worker.sampling_params import SamplingParams
+
+# Server arguments for the model runner and tokenizer (the rest are SchedulerConfig's fields).
+RUNNER_ARGS = {
+    "dtype": "auto",
+    "device": "cpu",
+    "attention_backend": "torch_native",
+    "context_length": None,  # default: the model's max_position_embeddings
+    "mem_fraction_static": 0.85,
+    "load_format": "safetensors",
+    "tokenizer_path": None,  # default: model_path
+}
+
+
+@dataclass
+class _Collected:
+    """One request's outputs gathered over the steps."""
+
+    output_ids: list[int] = field(default_factory=list)
+    last: RequestOutput | None = None
+    output_token_logprobs: list = field(default_factory=list)
+    output_top_logprobs: list = field(default_factory=list)
+    input_token_logprobs: list | None = None
+    input_top_logprobs: list | None = None
+    latency: float = 0.0  # seconds from submission to the final output
+
+    def add(self, out: RequestOutput) -> None:
+        self.output_ids += out.new_token_ids
+        self.output_token_logprobs += out.output_token_logprobs
+        self.output_top_logprobs += out.output_top_logprobs
+        if out.input_token_logprobs is not None:
+            self.input_token_logprobs = out.input_token_logprobs
+            self.input_top_logprobs = out.input_top_logprobs
+        self.last = out
+
+
+def split_server_args(server_args: dict) -> tuple[dict, dict]:
+    """(SchedulerConfig kwargs, runner kwargs); unknown names raise ValueError naming them."""
+    sched_names = set(SchedulerConfig.field_names())
+    unknown = sorted(set(server_args) - sched_names - set(RUNNER_ARGS))
+    if unknown:
+        raise ValueError(f"{unknown[0]}: unknown server argument"
+                         + (f"s {', '.join(unknown)}" if len(unknown) > 1 else ""))
+    sched = {k: v for k, v in server_args.items() if k in sched_names}
+    runner = {**RUNNER_ARGS, **{k: v for k, v in server_args.items() if k in RUNNER_ARGS}}
+    return sched, runner
+
+
+class Engine:
+    def __init__(self, model_path: str, **server_args):
+        """Load the tokenizer and model and build the scheduler.
+
+        ``server_args``: ``SchedulerConfig``'s fields (``schedule_policy``,
+        ``schedule_conservativeness``, ``chunked_prefill_size``, ``max_prefill_tokens``,
+        ``max_total_tokens``, ``max_running_requests``, ``page_size``,
+        ``radix_eviction_policy``, ``disable_radix_cache``, ``enable_mixed_chunk``,
+        ``debug_invariants``, ``random_seed``) and ``RUNNER_ARGS``' (``dtype``, ``device``,
+        ``attention_backend``, ``context_length``, ``mem_fraction_static``, ``load_format``,
+        ``tokenizer_path``). An unknown or invalid one raises ValueError naming it.
+        """
+        from transformers import AutoTokenizer
+
+        from ..worker.model_runner import ModelRunner, RunnerConfig
+
+        sched_args, runner_args = split_server_args(server_args)
+        self.config = SchedulerConfig(**sched_args)  # validates before the model loads
+        self.model_path = model_path
+        self.server_args = {**runner_args, **{k: getattr(self.config, k)
+                                              for k in SchedulerConfig.field_names()}}
+        self.tokenizer = AutoTokenizer.from_pretrained(runner_args["tokenizer_path"] or model_path)
+        self.runner = ModelRunner(RunnerConfig(
+            model_path, dtype=runner_args["dtype"], device=runner_args["device"],
+            max_total_tokens=self.config.max_total_tokens,
+            mem_fraction_static=runner_args["mem_fraction_static"],
+            max_running_requests=self.config.max_running_requests,
+            max_context_len=runner_args["context_length"], page_size=self.config.page_size,
+            attention_backend=runner_args["attention_backend"],
+            load_format=runner_args["load_format"], seed=self.config.random_seed))
+        mc = self.runner.model_config
+        eos = set(mc.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.scheduler = Scheduler(self.config, self.runner, eos_token_ids=eos,
+                                   decode=self.tokenizer.decode, vocab_size=mc.vocab_size)
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompt=None, input_ids=None, sampling_params=None,
+                 return_logprob=False, logprob_start_len=-1, top_logprobs_num=0,
+                 return_text_in_logprobs=False, rid=None, priority=None, routing_key=None,
+                 extra_key=None):
+        """Generate for one prompt (returns a dict) or a list (returns a list, input order).
+
+        ``prompt`` is text, ``input_ids`` token ids (one list or a list of lists); exactly one
+        of them. ``sampling_params`` is a dict (shared) or one dict per prompt, with SGLang's
+        keys. The other per-request arguments take one value or a list. With ``n > 1`` each
+        prompt's samples follow each other in the result.
+        """
+        single, ids = self._token_ids(prompt, input_ids)
+        count = len(ids)
+        params = _per_request(sampling_params, count, "sampling_params", dict)
+        params = [SamplingParams.from_dict(p) for p in params]
+        per = {name: _per_request(value, count, name)
+               for name, value in (("return_logprob", return_logprob),
+                                   ("logprob_start_len", logprob_start_len),
+                                   ("top_logprobs_num", top_logprobs_num), ("rid", rid),
+                                   ("priority", priority), ("routing_key", routing_key),
+                                   ("extra_key", extra_key))}
+        reqs = []
+        for i in range(count):
+            params[i].verify(self.runner.model_config.vocab_size)
+            for k in range(params[i].n):
+                base = per["rid"][i] or uuid.uuid4().hex
+                reqs.append(Req(
+                    base if params[i].n == 1 else f"{base}-{k}", ids[i], params[i],
+                    return_logprob=per["return_logprob"][i],
+                    logprob_start_len=per["logprob_start_len"][i],
+                    top_logprobs_num=per["top_logprobs_num"][i], priority=per["priority"][i],
+                    routing_key=per["routing_key"][i], extra_key=per["extra_key"][i]))
+        collected = self._run(reqs)
+        results = [self._result(r, collected[r.rid], return_text_in_logprobs) for r in reqs]
+        return results[0] if single and len(results) == 1 else results
+
+    def _token_ids(self, prompt, input_ids) -> tuple[bool, list[list[int]]]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("prompt: give exactly one of prompt and input_ids")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            texts = [prompt] if single else list(prompt)
+            if not texts or not all(isinstance(t, str) for t in texts):
+                raise ValueError("prompt: must be a string or a non-empty list of strings")
+            return single, [self.tokenizer.encode(t) for t in texts]
+        if not isinstance(input_ids, (list, tuple)) or not input_ids:
+            raise ValueError("input_ids: must be a non-empty list of token ids or of lists")
+        single = not isinstance(input_ids[0], (list, tuple))
+        return single, [list(input_ids)] if single else [list(x) for x in input_ids]
+
+    def _run(self, reqs: list[Req]) -> dict[str, _Collected]:
+        """Queue all requests (all validated first), step until each has finished."""
+        if self.scheduler is None:
+            raise RuntimeError("the engine has been shut down")
+        seen = set()
+        for r in reqs:
+            if r.rid in seen:
+                raise ValueError(f"rid: {r.rid!r} appears twice")
+            seen.add(r.rid)
+            self.scheduler.validate_request(r)
+        for r in reqs:
+            self.scheduler.add_request(r)
+        collected = {r.rid: _Collected() for r in reqs}
+        started = time.perf_counter()
+        pending = set(collected)
+        while pending:
+            for out in self.scheduler.step():
+                if out.rid in collected:
+                    collected[out.rid].add(out)
+                    if out.finished:
+                        collected[out.rid].latency = time.perf_counter() - started
+                        pending.discard(out.rid)
+            if pending and not self.scheduler.has_work:
+                raise RuntimeError(f"scheduler went idle with {len(pending)} requests unfinished")
+        return collected
+
+    def _result(self, req: Req, c: _Collected, text_in_logprobs: bool) -> dict:
+        sp, reason = req.sampling_params, c.last.finish_reason
+        shown = visible_output_ids(c.output_ids, reason, sp.no_stop_trim)
+        text = self.tokenizer.decode(shown, skip_special_tokens=sp.skip_special_tokens)
+        meta = {
+            "id": req.rid,
+            "prompt_tokens": c.last.prompt_tokens,
+            "completion_tokens": c.last.completion_tokens,
+            "cached_tokens": c.last.cached_tokens,
+            "finish_reason": reason.to_dict() if reason else None,
+            "e2e_latency": c.latency,
+        }
+        if req.return_logprob:
+            entry = self._logprob_entry if text_in_logprobs else _plain_entry
+            meta["input_token_logprobs"] = [entry(lp, t) for lp, t in
+                                            (c.input_token_logprobs or [])]
+            meta["output_token_logprobs"] = [entry(lp, t) for lp, t in c.output_token_logprobs]
+            if req.top_logprobs_num > 0:
+                meta["input_top_logprobs"] = [None if top is None else
+                                              [entry(lp, t) for lp, t in top]
+                                              for top in (c.input_top_logprobs or [])]
+                meta["output_top_logprobs"] = [[entry(lp, t) for lp, t in top]
+                                               for top in c.output_top_logprobs]
+        return {"text": trim_stop_text(text, reason, sp.no_stop_trim),
+                "output_ids": c.output_ids, "meta_info": meta}
+
+    def _logprob_entry(self, logprob, token_id) -> list:
+        return [logprob, token_id, self.tokenizer.decode([token_id])]
+
+    # ------------------------------------------------------------------ housekeeping
+    def flush_cache(self) -> bool:
+        """Empty the radix cache; False while requests are running."""
+        return self.scheduler.flush_cache()
+
+    def shutdown(self) -> None:
+        """Drop the model and the scheduler; the engine cannot be used afterwards."""
+        self.scheduler = None
+        self.runner = None
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _plain_entry(logprob, token_id) -> list:
+    return [logprob, token_id, None]
+
+
+def _per_request(value, count: int, name: str, item_type: type | None = None) -> list:
+    """One value for all requests, or a list with one per request."""
+    if isinstance(value, list) and (item_type is None or all(
+            isinstance(v, item_type) or v is None for v in value)):
+        if len(value) != count:
+            raise ValueError(f"{name}: got {len(value)} values for {count} prompts")
+        return value
+    return [value] * count

@@ -1,0 +1,368 @@
+"""One request's life as the HTTP layer sees it: submit, stream, detokenize, account.
+
+Both APIs (OpenAI and SGLang-native) build ``GenerateRequest``s, then call ``run_request`` (or
+``run_many`` for several at once), which reads the engine's ``TokenOutput`` stream, feeds the
+detokenizer, gathers logprobs and timings into a ``RequestState`` and yields it after every
+output. Breaking out of the loop closes the engine stream, which aborts the request and frees
+its KV; that is how stop strings and client disconnects end a generation early.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass, field, replace
+from typing import AsyncIterator
+
+from ..worker.sampling_params import SamplingParams
+from .detokenizer import IncrementalDetokenizer
+from .engine_protocol import EngineClient, GenerateRequest, TokenOutput
+
+
+class APIError(Exception):
+    """An error the client caused (or must hear about); the server formats it per API."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | int | None = None, err_type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else status
+        self.err_type = err_type or ("BadRequestError" if status == 400 else "Error")
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param, err_type="BadRequestError")
+
+
+def new_rid(prefix: str = "") -> str:
+    return prefix + uuid.uuid4().hex
+
+
+@dataclass
+class RequestState:
+    """Everything known about one submitted request so far; ``delta`` is the text released by
+    the latest output (what a stream sends next)."""
+
+    req: GenerateRequest
+    detok: IncrementalDetokenizer
+    output_ids: list[int] = field(default_factory=list)
+    delta: str = ""
+    finished: bool = False
+    finish_reason: dict | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_token_logprobs: list[tuple[float | None, int]] | None = None
+    input_top_logprobs: list | None = None
+    start: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    end_time: float | None = None
+    queue_time: float | None = None
+    itl: list[float] = field(default_factory=list)
+    _last_token_time: float | None = None
+
+    @property
+    def text(self) -> str:
+        return self.detok.text
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def e2e_latency(self) -> float:
+        return (self.end_time or time.perf_counter()) - self.start
+
+    def apply(self, out: TokenOutput) -> None:
+        """Fold one engine output in: ids, logprobs, timings, released text and finish."""
+        now = time.perf_counter()
+        self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
+        self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
+        if out.queue_time is not None:
+            self.queue_time = out.queue_time
+        if out.input_token_logprobs is not None:
+            self.input_token_logprobs = list(out.input_token_logprobs)
+            self.input_top_logprobs = list(out.input_top_logprobs or [])
+        new = list(out.new_token_ids)
+        if new:
+            if self.first_token_time is None:
+                self.first_token_time = now
+            elif self._last_token_time is not None:
+                self.itl.extend([(now - self._last_token_time) / len(new)] * len(new))
+            self._last_token_time = now
+        self.output_ids.extend(new)
+        self.output_token_logprobs.extend(out.output_token_logprobs)
+        self.output_top_logprobs.extend(out.output_top_logprobs)
+        # A matched stop token is not part of the text (unless no_stop_trim); special stop
+        # tokens vanish on decode anyway, plain ones would otherwise show.
+        reason = out.finish_reason if out.finished else None
+        sp = self.req.sampling_params
+        if (new and reason and reason.get("type") == "stop"
+                and isinstance(reason.get("matched"), int) and not sp.no_stop_trim
+                and new[-1] == reason["matched"]):
+            new = new[:-1]
+        self.delta = self.detok.add(new)
+        if self.detok.matched_stop is not None:
+            self.end({"type": "stop", "matched": self.detok.matched_stop}, now)
+        elif out.finished:
+            self.delta += self.detok.finish()
+            self.end(out.finish_reason or {"type": "abort", "message": "no finish reason"},
+                         now)
+
+    def end(self, reason: dict, now: float) -> None:
+        """Mark finished with ``reason`` (SGLang's finish-reason dict) at time ``now``."""
+        self.finished = True
+        self.finish_reason = reason
+        self.end_time = now
+
+
+class ServingContext:
+    """What every handler needs: the engine, the tokenizer, limits, metrics, and the registry
+    of live requests (for back-pressure and /abort_request)."""
+
+    def __init__(self, engine: EngineClient, tokenizer, model_name: str, context_len: int,
+                 vocab_size: int, max_queued_requests: int | None = None, metrics=None):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.context_len = context_len
+        self.vocab_size = vocab_size
+        self.max_queued_requests = max_queued_requests
+        self.metrics = metrics
+        self.waiting: set[str] = set()  # engine rids admitted that have no output yet
+        self.live: dict[str, set[str]] = {}  # client rid -> engine rids
+
+    def open_session(self, client_rid: str, reqs: list[GenerateRequest]) -> "Session":
+        """Admit ``reqs`` (429 when the waiting requests would exceed max_queued_requests; 400
+        when a rid is already live) and register them under ``client_rid``."""
+        rids = [r.rid for r in reqs]
+        live = set().union(*self.live.values()) if self.live else set()
+        if client_rid in self.live or any(r in live for r in rids):
+            raise bad_request(f"rid: {client_rid!r} is already in use by a running request",
+                              param="rid")
+        if (self.max_queued_requests is not None
+                and len(self.waiting) + len(rids) > self.max_queued_requests):
+            raise APIError(429, f"Too many queued requests ({len(self.waiting)} waiting, "
+                                f"max_queued_requests={self.max_queued_requests}); retry later",
+                           err_type="TooManyRequests")
+        self.waiting.update(rids)
+        self.live[client_rid] = set(rids)
+        return Session(self, client_rid, rids)
+
+
+class Session:
+    """One HTTP request's admitted engine requests; ``close`` (idempotent) releases them."""
+
+    def __init__(self, ctx: ServingContext, client_rid: str, rids: list[str]):
+        self.ctx, self.client_rid, self.rids = ctx, client_rid, rids
+        self.closed = False
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.ctx.waiting.difference_update(self.rids)
+            self.ctx.live.pop(self.client_rid, None)
+
+
+async def run_request(ctx: ServingContext, req: GenerateRequest) -> AsyncIterator[RequestState]:
+    """Submit ``req`` and yield its state after each output, the last one finished. Leaving the
+    loop early (or a stop string) closes the engine stream, which aborts the request."""
+    sp = req.sampling_params
+    state = RequestState(req, IncrementalDetokenizer(
+        ctx.tokenizer, skip_special_tokens=sp.skip_special_tokens, stop=sp.stop,
+        no_stop_trim=sp.no_stop_trim))
+    stream = ctx.engine.generate(req)
+    try:
+        while True:
+            try:
+                out = await stream.__anext__()
+            except StopAsyncIteration:
+                break
+            except ValueError as e:  # the engine rejected the request; the message names the field
+                raise bad_request(str(e), param=str(e).partition(":")[0]) from None
+            except RuntimeError as e:  # the engine is not running
+                raise APIError(503, str(e), err_type="ServiceUnavailableError") from None
+            ctx.waiting.discard(req.rid)
+            state.apply(out)
+            yield state
+            if state.finished:
+                break
+        if not state.finished:  # the engine ended the stream without a finished output
+            state.delta = state.detok.finish()
+            state.end({"type": "abort", "message": "engine stream ended"}, time.perf_counter())
+            yield state
+    finally:
+        ctx.waiting.discard(req.rid)
+        await stream.aclose()
+        if ctx.metrics is not None and state.finished:
+            ctx.metrics.observe_request(
+                None if state.first_token_time is None else state.first_token_time - state.start,
+                state.itl, state.e2e_latency, state.queue_time)
+
+
+async def run_many(ctx: ServingContext, reqs: list[GenerateRequest]
+                   ) -> AsyncIterator[tuple[int, RequestState]]:
+    """Run several requests at once; yield (index into ``reqs``, state) in arrival order.
+    Each request waits for its state to be consumed before folding in its next output, so a
+    consumer always sees a consistent state (its ``delta`` included). Closing this generator
+    cancels (and so aborts) every request still running."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, req: GenerateRequest) -> None:
+        try:
+            async with aclosing(run_request(ctx, req)) as states:
+                async for state in states:
+                    consumed = asyncio.Event()
+                    await queue.put((i, state, consumed))
+                    await consumed.wait()
+        except Exception as e:  # surfaced to the consumer, which owns the response
+            await queue.put((i, e, None))
+        finally:
+            await queue.put((i, None, None))
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item, consumed = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+                consumed.set()
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def prefill_only(engine: EngineClient, req: GenerateRequest) -> None:
+    """Compute ``req``'s prompt into the radix cache (max_new_tokens 0), so copies submitted
+    after it (n > 1) reuse its KV instead of each computing the prompt."""
+    warm = replace(req, rid=req.rid + "-prefill", return_logprob=False, logprob_start_len=-1,
+                   top_logprobs_num=0,
+                   sampling_params=replace(req.sampling_params, max_new_tokens=0,
+                                           min_new_tokens=0, n=1))
+    async with aclosing(engine.generate(warm)) as outputs:
+        async for _ in outputs:
+            pass
+
+
+async def run_all(ctx: ServingContext, firsts: list[GenerateRequest],
+                  copies: list[list[GenerateRequest]]) -> AsyncIterator[tuple[int, RequestState]]:
+    """Yield (flat index, state) for every copy of every prompt. With n > 1 each prompt is
+    computed once into the radix cache first, so its copies share that KV."""
+    flat = [r for group in copies for r in group]
+    if len(flat) > len(firsts):
+        for req in firsts:
+            await prefill_only(ctx.engine, req)
+    async with aclosing(run_many(ctx, flat)) as updates:
+        async for i, state in updates:
+            yield i, state
+
+
+async def collect_states(ctx: ServingContext, firsts: list[GenerateRequest],
+                         copies: list[list[GenerateRequest]]) -> list[RequestState]:
+    """Run every copy of every prompt to the end; their final states, prompt-major."""
+    results: list[RequestState | None] = [None] * sum(len(g) for g in copies)
+    async with aclosing(run_all(ctx, firsts, copies)) as updates:
+        async for i, state in updates:
+            results[i] = state
+    return results
+
+
+async def until_disconnect(request, coro):
+    """Await ``coro`` unless the HTTP client disconnects first; then cancel it (closing its
+    engine streams, which aborts the requests and frees their KV) and return a bare 499."""
+    from starlette.responses import Response
+
+    async def watch():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watcher = asyncio.ensure_future(coro), asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    if work.cancelled():
+        return Response(status_code=499)
+    return work.result()
+
+
+def sse(obj) -> str:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def expand_copies(req: GenerateRequest, n: int) -> list[GenerateRequest]:
+    """``n`` copies of ``req`` with rids ``rid-0..`` and seeds ``seed+i`` (so copies differ
+    but copy 0 equals the n=1 request with the same seed)."""
+    if n == 1:
+        return [req]
+    sp = req.sampling_params
+    return [replace(req, rid=f"{req.rid}-{i}", sampling_params=replace(
+        sp, n=1, seed=None if sp.seed is None else sp.seed + i)) for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation shared by both APIs
+
+
+def check_sampling_params(sp: SamplingParams, vocab_size: int | None,
+                          rename: dict[str, str] | None = None) -> None:
+    """``sp.verify`` plus type checks it leaves out; raises a 400 naming the client's field
+    (``rename`` maps SamplingParams names to the API's, e.g. max_new_tokens -> max_tokens)."""
+    rename = rename or {}
+    try:
+        sp.verify(vocab_size)
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                     "no_stop_trim"):
+            if not isinstance(getattr(sp, name), bool):
+                raise ValueError(f"{name}: must be true or false")
+        for name in ("regex", "json_schema", "ebnf"):
+            if getattr(sp, name) is not None and not isinstance(getattr(sp, name), str):
+                raise ValueError(f"{name}: must be a string")
+        if isinstance(sp.json_schema, str):
+            try:
+                json.loads(sp.json_schema)
+            except ValueError as e:
+                raise ValueError(f"json_schema: not valid JSON ({e})") from None
+    except ValueError as e:
+        name, _, msg = str(e).partition(": ")
+        name = rename.get(name, name)
+        raise bad_request(f"{name}: {msg}", param=name) from None
+
+
+def check_lengths(prompt_len: int, max_new_tokens: int, context_len: int, prompt_field: str,
+                  max_field: str) -> None:
+    """400 when the prompt is empty, alone fills the context, or prompt + completion exceed it."""
+    if prompt_len == 0:
+        raise bad_request(f"{prompt_field}: the prompt is empty", param=prompt_field)
+    if prompt_len >= context_len:
+        raise bad_request(f"{prompt_field}: the prompt has {prompt_len} tokens; the model's "
+                          f"context length is {context_len}", param=prompt_field)
+    if prompt_len + max_new_tokens > context_len:
+        raise bad_request(f"{max_field}: {max_new_tokens} new tokens after a {prompt_len}-token "
+                          f"prompt exceed the context length of {context_len} tokens",
+                          param=max_field)
+
+
+def check_token_ids(ids: list[int], vocab_size: int, field_name: str) -> None:
+    if any(t < 0 or t >= vocab_size for t in ids):
+        raise bad_request(f"{field_name}: token ids must be in [0, {vocab_size})",
+                          param=field_name)

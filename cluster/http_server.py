@@ -1,0 +1,252 @@
+"""The replica's HTTP server: ``create_app(engine, tokenizer, server_args)`` builds a FastAPI app
+serving the OpenAI-compatible API, SGLang's native API and the operational endpoints over any
+``EngineClient`` (the in-process engine or a Ray replica).
+
+Errors: a ``/v1/...`` path answers ``{"object": "error", "message", "type", "param", "code"}``,
+every other path ``{"error": {"message", ...}}``; bad input is a 400 whose message starts with
+the field's name. A client that goes away mid-request has its request aborted (KV freed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
+
+from .. import __version__
+from . import native_api, openai_api
+from .engine_protocol import EngineClient
+from .generation import (APIError, ServingContext, bad_request, collect_states,
+                         until_disconnect)
+from .metrics import COUNTERS, GAUGES, EngineMetrics
+from .openai_serving import chat_completions, completions
+
+HEALTH_PATHS = ("/health", "/health_generate")
+
+
+@dataclass
+class ServerArgs:
+    """What the HTTP layer itself needs; ``extra`` (scheduler arguments and such) is only
+    reported by /server_info."""
+
+    model_path: str
+    served_model_name: str | None = None
+    tokenizer_path: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    max_queued_requests: int | None = None
+    health_check_timeout: float = 20.0
+    context_len: int | None = None  # None: the engine's max_context_len
+    replica: str = "0"
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_path
+
+
+def error_body(path: str, err: APIError) -> dict:
+    if path.startswith("/v1/"):
+        return {"object": "error", "message": err.message, "type": err.err_type,
+                "param": err.param, "code": err.code}
+    return {"error": {"message": err.message, "code": err.code, "param": err.param}}
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """The first pydantic error as a 400 naming its field (union-member tags dropped)."""
+    err = e.errors()[0]
+    parts = [p for p in err["loc"] if isinstance(p, int) or not any(c in p for c in "[]-")
+             and p not in ("str", "int", "float", "bool", "list", "dict", "none")]
+    name = ".".join(str(p) for p in parts) or "body"
+    return bad_request(f"{name}: {err['msg']}", param=name)
+
+
+async def parse_body(request: Request, model: type[BaseModel]):
+    raw = await request.body()
+    try:
+        data = json.loads(raw) if raw else None
+    except ValueError as e:
+        raise bad_request(f"body: malformed JSON ({e})", param="body") from None
+    if not isinstance(data, dict):
+        raise bad_request("body: must be a JSON object", param="body")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+class ApiKeyMiddleware:
+    """Every path but the health checks needs ``Authorization: Bearer <key>`` (pure ASGI, so
+    streaming and disconnects pass through untouched)."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in HEALTH_PATHS:
+            headers = dict(scope.get("headers") or [])
+            if headers.get(b"authorization") != self.expected:
+                err = APIError(401, "Missing or invalid API key (Authorization: Bearer ...)",
+                               err_type="AuthenticationError")
+                response = JSONResponse(error_body(scope["path"], err), status_code=401)
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def _model_config(model_path: str) -> dict:
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> FastAPI:
+    """A FastAPI app over ``engine``. ``tokenizer`` is a transformers tokenizer of the model."""
+    info = engine.server_info()
+    args = server_args
+    registry = CollectorRegistry()  # this app's own, so several replicas in a process coexist
+    metrics = EngineMetrics(registry, args.model_name, args.replica)
+    ctx = ServingContext(
+        engine, tokenizer, args.model_name,
+        context_len=args.context_len or info.get("max_context_len") or tokenizer.model_max_length,
+        vocab_size=info.get("vocab_size") or len(tokenizer),
+        max_queued_requests=args.max_queued_requests, metrics=metrics)
+    state = {"shutting_down": False}
+    model_cfg = _model_config(args.model_path)
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        yield
+        state["shutting_down"] = True
+
+    app = FastAPI(title="radixray", version=__version__, lifespan=lifespan)
+    app.state.ctx = ctx
+    if args.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, err: APIError):
+        return JSONResponse(error_body(request.url.path, err), status_code=err.status)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        err = APIError(500, f"internal error: {type(e).__name__}: {e}",
+                       err_type="InternalServerError")
+        return JSONResponse(error_body(request.url.path, err), status_code=500)
+
+    # ------------------------------------------------------------------ health and info
+    async def _health() -> Response:
+        if state["shutting_down"]:
+            return PlainTextResponse("shutting down", status_code=503)
+        ok = await engine.health_check(args.health_check_timeout)
+        return Response(status_code=200) if ok else PlainTextResponse(
+            "engine not ready or not making progress", status_code=503)
+
+    app.add_api_route("/health", _health, methods=["GET", "HEAD"])
+    app.add_api_route("/health_generate", _health, methods=["GET", "HEAD"])
+
+    def _model_info():
+        return {"model_path": args.model_path,
+                "tokenizer_path": args.tokenizer_path or args.model_path,
+                "served_model_name": args.model_name, "is_generation": True,
+                "architectures": model_cfg.get("architectures"),
+                "model_type": model_cfg.get("model_type"),
+                "max_context_len": ctx.context_len}
+
+    def _server_info():
+        out = {k: v for k, v in asdict(args).items() if k != "extra"}
+        out["api_key"] = "***" if args.api_key else None
+        out.update(args.extra)
+        out.update(engine.server_info())
+        out["version"] = __version__
+        return out
+
+    for path in ("/model_info", "/get_model_info"):
+        app.add_api_route(path, _model_info, methods=["GET"])
+    for path in ("/server_info", "/get_server_info"):
+        app.add_api_route(path, _server_info, methods=["GET"])
+
+    @app.get("/v1/models")
+    async def _models():
+        return {"object": "list", "data": [{
+            "id": args.model_name, "object": "model", "created": 0, "owned_by": "radixray",
+            "root": args.model_path, "max_model_len": ctx.context_len}]}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def _flush():
+        if await engine.flush_cache():
+            return PlainTextResponse("Cache flushed.")
+        return PlainTextResponse("Cache not flushed: requests are running; retry when idle.",
+                                 status_code=400)
+
+    @app.post("/abort_request")
+    async def _abort(request: Request):
+        raw = await request.body()
+        try:
+            body = json.loads(raw) if raw else {}
+        except ValueError as e:
+            raise bad_request(f"body: malformed JSON ({e})", param="body") from None
+        if not isinstance(body, dict):
+            raise bad_request("body: must be a JSON object", param="body")
+        if body.get("abort_all"):
+            rids = set().union(*ctx.live.values()) if ctx.live else set()
+        elif isinstance(body.get("rid"), str) and body["rid"]:
+            rids = ctx.live.get(body["rid"], {body["rid"]})
+        else:
+            raise bad_request("rid: give a request id (or abort_all: true)", param="rid")
+        for rid in sorted(rids):
+            await engine.abort(rid)
+        return {"aborted": sorted(rids)}
+
+    @app.get("/metrics")
+    async def _metrics():
+        stats = engine.stats()
+        metrics.update_scheduler_stats({k: v for k, v in stats.items()
+                                        if k in GAUGES or k in COUNTERS})
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    # ------------------------------------------------------------------ generation
+    @app.post("/generate")
+    async def _generate(request: Request):
+        body = await parse_body(request, native_api.GenerateReqInput)
+        firsts, copies, batch = native_api.build_requests(body, ctx)
+        flat = [r for group in copies for r in group]
+        session = ctx.open_session(body.rid if isinstance(body.rid, str) else firsts[0].rid,
+                                   flat)
+        with_text = bool(body.return_text_in_logprobs)
+        multi = batch or len(flat) > 1
+        if body.stream:
+            return StreamingResponse(
+                native_api.stream_events(ctx, firsts, copies, with_text, multi, session),
+                media_type="text/event-stream", background=BackgroundTask(session.close))
+        try:
+            states = await until_disconnect(request, collect_states(ctx, firsts, copies))
+        finally:
+            session.close()
+        if isinstance(states, Response):
+            return states
+        results = [native_api.native_result(s, tokenizer, with_text) for s in states]
+        return results if multi else results[0]
+
+    @app.post("/v1/completions")
+    async def _completions(request: Request):
+        body = await parse_body(request, openai_api.CompletionRequest)
+        openai_api.check_model(body, ctx, args.model_path)
+        return await completions(request, ctx, body)
+
+    @app.post("/v1/chat/completions")
+    async def _chat(request: Request):
+        body = await parse_body(request, openai_api.ChatCompletionRequest)
+        openai_api.check_model(body, ctx, args.model_path)
+        return await chat_completions(request, ctx, body)
+
+    return app

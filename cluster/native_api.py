@@ -1,0 +1,174 @@
+"""SGLang's native ``POST /generate``, as SGLang's frontend client (``RuntimeEndpoint``) uses it.
+
+Request: ``text`` or ``input_ids`` (one or a list), ``sampling_params`` (one dict for all or a
+list; null and empty values mean "default"), ``stream``, ``return_logprob``,
+``logprob_start_len``, ``top_logprobs_num``, ``return_text_in_logprobs``, ``rid``.
+Response: one object per prompt (a list for list input; prompt-major when n > 1):
+``{"text", "output_ids", "meta_info": {"id", "prompt_tokens", "completion_tokens",
+"cached_tokens", "finish_reason", "e2e_latency", ...logprobs}}``. Logprob entries are
+``[logprob, token_id, text_or_null]``; ``input_token_logprobs`` covers the prompt from
+``logprob_start_len`` on and its first value is null. Streams send cumulative ``text``.
+"""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from ..worker.sampling_params import SamplingParams
+from .detokenizer import token_texts
+from .engine_protocol import GenerateRequest
+from .generation import (SSE_DONE, RequestState, ServingContext, Session, bad_request,
+                         check_lengths, check_sampling_params, check_token_ids, expand_copies,
+                         new_rid, run_all, sse)
+
+IntOrList = int | list[int] | None
+BoolOrList = bool | list[bool] | None
+
+
+class GenerateReqInput(BaseModel):
+    """The body of POST /generate. Strict types: a string where a number belongs is a 400."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any] | None] | None = None
+    stream: bool | None = False
+    return_logprob: BoolOrList = None
+    logprob_start_len: IntOrList = None
+    top_logprobs_num: IntOrList = None
+    return_text_in_logprobs: bool | None = False
+    rid: str | list[str] | None = None
+    priority: int | None = None
+    routing_key: str | None = None
+    extra_key: str | None = None
+
+
+def _per_item(value, i: int, count: int, name: str, default):
+    """A top-level field given once for all prompts or as a list of one per prompt."""
+    if isinstance(value, list):
+        if len(value) != count:
+            raise bad_request(f"{name}: a list must have one entry per prompt "
+                              f"({count}), got {len(value)}", param=name)
+        value = value[i]
+    return default if value is None else value
+
+
+def _prompts(body: GenerateReqInput, ctx: ServingContext) -> tuple[list[list[int]], bool, str]:
+    """Token ids of every prompt, whether the input was a batch, and the field they came from."""
+    if (body.text is None) == (body.input_ids is None):
+        raise bad_request("text: give exactly one of text and input_ids", param="text")
+    if body.text is not None:
+        texts = body.text if isinstance(body.text, list) else [body.text]
+        if not texts or any(t == "" for t in texts):
+            raise bad_request("text: the prompt is empty", param="text")
+        return [ctx.tokenizer.encode(t) for t in texts], isinstance(body.text, list), "text"
+    ids = body.input_ids
+    batch = bool(ids) and isinstance(ids[0], list)
+    prompts = ids if batch else [ids]
+    for p in prompts:
+        if not p:
+            raise bad_request("input_ids: the prompt is empty", param="input_ids")
+        check_token_ids(p, ctx.vocab_size, "input_ids")
+    return prompts, batch, "input_ids"
+
+
+def build_requests(body: GenerateReqInput, ctx: ServingContext
+                   ) -> tuple[list[GenerateRequest], list[list[GenerateRequest]], bool]:
+    """Validate ``body`` and turn it into engine requests.
+
+    Returns (the requests, per prompt the copies to run (n of them), whether the input was a
+    batch). With n > 1 the first list holds one request per prompt, used to fill the cache.
+    """
+    prompts, batch, prompt_field = _prompts(body, ctx)
+    count = len(prompts)
+    base_rid = body.rid if isinstance(body.rid, str) else None
+    firsts, copies = [], []
+    for i, ids in enumerate(prompts):
+        raw = _per_item(body.sampling_params, i, count, "sampling_params", {})
+        try:
+            sp = SamplingParams.from_dict(raw)
+        except (ValueError, TypeError) as e:
+            name, _, msg = str(e).partition(": ")
+            raise bad_request(f"sampling_params.{name}: {msg or e}", param=name) from None
+        check_sampling_params(sp, ctx.vocab_size)
+        check_lengths(len(ids), sp.max_new_tokens, ctx.context_len, prompt_field,
+                      "max_new_tokens")
+        return_logprob = _per_item(body.return_logprob, i, count, "return_logprob", False)
+        start = _per_item(body.logprob_start_len, i, count, "logprob_start_len", -1)
+        top_n = _per_item(body.top_logprobs_num, i, count, "top_logprobs_num", 0)
+        if start == -1:
+            start = len(ids) - 1  # SGLang: only the last prompt token (a single null entry)
+        if not 0 <= start < len(ids):
+            raise bad_request(f"logprob_start_len: must be -1 or in [0, {len(ids)}) for a "
+                              f"{len(ids)}-token prompt, got {start}", param="logprob_start_len")
+        if top_n < 0:
+            raise bad_request("top_logprobs_num: must be >= 0", param="top_logprobs_num")
+        if isinstance(body.rid, list):
+            rid = _per_item(body.rid, i, count, "rid", None)
+        else:
+            rid = f"{base_rid}-{i}" if base_rid and batch else (base_rid or new_rid())
+        req = GenerateRequest(
+            rid=rid, input_ids=list(ids), sampling_params=sp, return_logprob=return_logprob,
+            logprob_start_len=start if return_logprob else -1,
+            top_logprobs_num=top_n if return_logprob else 0, priority=body.priority or 0,
+            routing_key=body.routing_key, extra_key=body.extra_key)
+        firsts.append(req)
+        copies.append(expand_copies(req, sp.n))
+    return firsts, copies, batch
+
+
+def _entries(pairs, with_text: bool, tokenizer) -> list[list]:
+    pairs = list(pairs or [])
+    texts = token_texts(tokenizer, [t for _, t in pairs]) if with_text else [None] * len(pairs)
+    return [[lp, tid, text] for (lp, tid), text in zip(pairs, texts)]
+
+
+def _top_entries(rows, with_text: bool, tokenizer) -> list:
+    return [None if row is None else _entries(row, with_text, tokenizer) for row in rows or []]
+
+
+def native_result(state: RequestState, tokenizer, with_text: bool) -> dict:
+    """The response object for one request (also each streamed chunk: text is cumulative)."""
+    meta = {
+        "id": state.req.rid,
+        "prompt_tokens": state.prompt_tokens or len(state.req.input_ids),
+        "completion_tokens": state.completion_tokens,
+        "cached_tokens": state.cached_tokens,
+        "finish_reason": state.finish_reason,
+        "e2e_latency": state.e2e_latency,
+    }
+    req = state.req
+    if req.return_logprob:
+        meta["input_token_logprobs"] = _entries(state.input_token_logprobs, with_text, tokenizer)
+        meta["output_token_logprobs"] = _entries(state.output_token_logprobs, with_text,
+                                                 tokenizer)
+        if req.top_logprobs_num > 0:
+            meta["input_top_logprobs"] = _top_entries(state.input_top_logprobs, with_text,
+                                                      tokenizer)
+            meta["output_top_logprobs"] = _top_entries(state.output_top_logprobs, with_text,
+                                                       tokenizer)
+    return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
+
+
+async def stream_events(ctx: ServingContext, firsts: list[GenerateRequest],
+                        copies: list[list[GenerateRequest]], with_text: bool, multi: bool,
+                        session: Session):
+    """SSE events: after each output, that request's cumulative object (with ``index`` when
+    several run); then ``[DONE]``. Closing the stream aborts what still runs."""
+    try:
+        async with aclosing(run_all(ctx, firsts, copies)) as updates:
+            async for i, state in updates:
+                chunk = native_result(state, ctx.tokenizer, with_text)
+                if multi:
+                    chunk["index"] = i
+                yield sse(chunk)
+        yield SSE_DONE
+    except Exception as e:  # the status line is gone; report in-band, as SGLang does
+        yield sse({"error": {"message": f"{type(e).__name__}: {e}", "code": 500}})
+        yield SSE_DONE
+    finally:
+        session.close()

@@ -1,0 +1,183 @@
+"""Running OpenAI completions and chat completions: whole responses and SSE streams.
+
+Request parsing and response shapes live in ``openai_api``; this module drives the engine
+through ``generation`` and decides what each stream chunk carries.
+"""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from . import openai_api as oa
+from .generation import (SSE_DONE, APIError, RequestState, ServingContext, Session,
+                         collect_states, run_all, sse, until_disconnect)
+
+
+def _abort_error(state: RequestState) -> APIError:
+    reason = state.finish_reason or {}
+    status = reason.get("status_code", 500)
+    return APIError(status, f"request aborted: {reason.get('message') or 'no reason given'}",
+                    err_type="BadRequestError" if status == 400 else "InternalServerError")
+
+
+def _error_event(err: APIError) -> str:
+    return sse({"error": {"message": err.message, "type": err.err_type, "code": err.code}})
+
+
+def _is_abort(state: RequestState) -> bool:
+    return state.finished and (state.finish_reason or {}).get("type") == "abort"
+
+
+async def _run(request: Request, ctx: ServingContext, session: Session, firsts, copies):
+    """Final states, or a 499 response when the client went away, or an abort error."""
+    try:
+        states = await until_disconnect(request, collect_states(ctx, firsts, copies))
+    finally:
+        session.close()
+    if isinstance(states, Response):
+        return states
+    aborted = next((s for s in states if _is_abort(s)), None)
+    if aborted is not None:
+        raise _abort_error(aborted)
+    return states
+
+
+def _streaming(events, session: Session) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             background=BackgroundTask(session.close))
+
+
+# ---------------------------------------------------------------------------------------------
+# /v1/completions
+
+
+async def completions(request: Request, ctx: ServingContext, body: oa.CompletionRequest):
+    firsts, copies = oa.completion_requests(body, ctx)
+    n = len(copies[0])
+    base = body.rid or firsts[0].rid
+    session = ctx.open_session(base, [r for group in copies for r in group])
+    if isinstance(body.prompt, str):
+        prompts = [body.prompt]
+    elif all(isinstance(p, str) for p in body.prompt):
+        prompts = list(body.prompt)
+    else:  # token ids; only echo needs their text
+        prompts = [ctx.tokenizer.decode(r.input_ids) if body.echo else "" for r in firsts]
+    if body.stream:
+        return _streaming(_completion_events(ctx, body, base, firsts, copies, prompts, session),
+                          session)
+    states = await _run(request, ctx, session, firsts, copies)
+    if isinstance(states, Response):
+        return states
+    choices = [oa.completion_choice(i, s, body, ctx.tokenizer, prompts[i // n])
+               for i, s in enumerate(states)]
+    return JSONResponse(oa.envelope("text_completion", base, ctx.model_name, choices,
+                                    oa.usage(states, n)))
+
+
+async def _completion_events(ctx, body: oa.CompletionRequest, base: str, firsts, copies,
+                             prompts: list[str], session: Session):
+    n = len(copies[0])
+    sent_logprobs: dict[int, int] = {}
+    finals: dict[int, RequestState] = {}
+    try:
+        async with aclosing(run_all(ctx, firsts, copies)) as updates:
+            async for i, state in updates:
+                if _is_abort(state):
+                    yield _error_event(_abort_error(state))
+                    break
+                first = i not in sent_logprobs
+                text = (prompts[i // n] if body.echo and first else "") + state.delta
+                if state.finished:
+                    finals[i] = state
+                if not (text or state.finished or first):
+                    continue  # text held back (partial character or possible stop string)
+                logprobs, start = None, sent_logprobs.get(i, 0)
+                end = len(state.output_token_logprobs)
+                if body.logprobs is not None:
+                    tops = state.output_top_logprobs[start:end] if body.logprobs > 0 else None
+                    logprobs = oa.completion_logprobs(state.output_token_logprobs[start:end],
+                                                      tops, ctx.tokenizer,
+                                                      len(state.text) - len(state.delta))
+                sent_logprobs[i] = end
+                choice = {"index": i, "text": text, "logprobs": logprobs,
+                          **oa.finish_fields(state)}
+                yield sse(oa.envelope("text_completion", base, ctx.model_name, [choice], None))
+            else:
+                if body.stream_options and body.stream_options.include_usage:
+                    states = [finals[i] for i in sorted(finals)]
+                    yield sse(oa.envelope("text_completion", base, ctx.model_name, [],
+                                          oa.usage(states, n)))
+        yield SSE_DONE
+    except Exception as e:
+        yield _error_event(APIError(500, f"{type(e).__name__}: {e}",
+                                    err_type="InternalServerError"))
+        yield SSE_DONE
+    finally:
+        session.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# /v1/chat/completions
+
+
+async def chat_completions(request: Request, ctx: ServingContext,
+                           body: oa.ChatCompletionRequest):
+    first, copies = oa.chat_requests(body, ctx)
+    session = ctx.open_session(first.rid, copies)
+    if body.stream:
+        return _streaming(_chat_events(ctx, body, first, copies, session), session)
+    states = await _run(request, ctx, session, [first], [copies])
+    if isinstance(states, Response):
+        return states
+    choices = [oa.chat_choice(i, s, body, ctx.tokenizer) for i, s in enumerate(states)]
+    return JSONResponse(oa.envelope("chat.completion", first.rid, ctx.model_name, choices,
+                                    oa.usage(states, len(copies))))
+
+
+async def _chat_events(ctx, body: oa.ChatCompletionRequest, first, copies, session: Session):
+    started: dict[int, int] = {}  # choice index -> output logprobs sent
+    finals: dict[int, RequestState] = {}
+
+    def chunk(i: int, delta: dict, logprobs, state: RequestState | None) -> str:
+        fields = oa.finish_fields(state) if state is not None else {"finish_reason": None}
+        choice = {"index": i, "delta": delta, "logprobs": logprobs, **fields}
+        return sse(oa.envelope("chat.completion.chunk", first.rid, ctx.model_name, [choice],
+                               None))
+
+    try:
+        async with aclosing(run_all(ctx, [first], [copies])) as updates:
+            async for i, state in updates:
+                if _is_abort(state):
+                    yield _error_event(_abort_error(state))
+                    break
+                if i not in started:
+                    started[i] = 0
+                    yield chunk(i, {"role": "assistant", "content": ""}, None, None)
+                if state.finished:
+                    finals[i] = state
+                if not (state.delta or state.finished):
+                    continue  # text held back (partial character or possible stop string)
+                logprobs, end = None, len(state.output_token_logprobs)
+                if body.logprobs:
+                    logprobs = oa.chat_logprobs(state.output_token_logprobs[started[i]:end],
+                                                state.output_top_logprobs[started[i]:end],
+                                                ctx.tokenizer)
+                started[i] = end
+                delta = {"content": state.delta} if state.delta else {}
+                yield chunk(i, delta, logprobs, state if state.finished else None)
+            else:
+                if body.stream_options and body.stream_options.include_usage:
+                    states = [finals[i] for i in sorted(finals)]
+                    yield sse(oa.envelope("chat.completion.chunk", first.rid, ctx.model_name, [],
+                                          oa.usage(states, len(copies))))
+        yield SSE_DONE
+    except Exception as e:
+        yield _error_event(APIError(500, f"{type(e).__name__}: {e}",
+                                    err_type="InternalServerError"))
+        yield SSE_DONE
+    finally:
+        session.close()

@@ -1,0 +1,128 @@
+"""ScheduleBatch: the requests of one forward step, and the ForwardBatch sent to the worker.
+
+A batch is ``prefill`` requests (a prompt, a chunk of one, or a retracted request coming back)
+followed by ``decode`` requests (one new token each). A batch with both is a mixed-chunk batch.
+Every request computes ``tokens[cached_len:seq_len]``; ``ForwardBatch`` carries the same
+lengths (``prefix_lens = cached_len``).
+
+Slot rule of the worker protocol: a prefill request carries its whole prefix's slots (its row
+was just built or changed), a decode request carries none (the worker's mirror already has
+them) unless its row changed since (``Req.resend_prefix``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from ..worker.forward_batch import ForwardBatch
+from .cache_manager import CacheManager
+from .request import Req
+
+
+class ForwardMode(Enum):
+    EXTEND = "extend"
+    DECODE = "decode"
+    MIXED = "mixed"
+
+
+@dataclass
+class ScheduleBatch:
+    prefill: list[Req]
+    decode: list[Req]
+    forward_batch: ForwardBatch
+    # Per prefill request: where its input logprobs start in this step's extend tokens
+    # (-1: none); process_output needs the same numbers the worker got.
+    input_logprob_starts: list[int]
+
+    @property
+    def reqs(self) -> list[Req]:
+        return self.prefill + self.decode
+
+    @property
+    def mode(self) -> ForwardMode:
+        if not self.decode:
+            return ForwardMode.EXTEND
+        return ForwardMode.MIXED if self.prefill else ForwardMode.DECODE
+
+    @classmethod
+    def build(cls, prefill: list[Req], decode: list[Req], cache: CacheManager) -> "ScheduleBatch":
+        """Allocate the step's slots (``extend_len`` is already set on prefill requests) and
+        describe the step for the worker. Mutates the requests' rows and ``extend_len``, and
+        the cache (allocation, maybe eviction)."""
+        for r in decode:
+            r.extend_len = 1
+        reqs = prefill + decode
+        out_cache_loc = cache.alloc_extend(reqs)
+        starts = [_input_logprob_start(r) for r in prefill]
+        fb = _forward_batch(prefill, decode, cache, out_cache_loc, starts)
+        return cls(prefill, decode, fb, starts)
+
+
+def _input_logprob_start(req: Req) -> int:
+    """Index among this step's extend tokens where input logprobs start, or -1.
+
+    A chunk after the first starts at 0, and its first token's logprob stays None: the worker
+    computed that token's logits in the previous chunk without knowing the token that follows.
+    (Closing this gap needs the protocol to carry the token after each chunk.)"""
+    if not req.input_logprobs_pending or req.seq_len <= req.logprob_start_len:
+        return -1
+    return max(req.logprob_start_len - req.cached_len, 0)
+
+
+def decode_input_ids(decode: list[Req]) -> list[int]:
+    """The token each decode request feeds: its newest output token.
+
+    Overlap scheduling will replace an id not known yet (batch N still running when batch N+1
+    is built) by a future reference: ``-(req_pool_idx + 1)``, resolved by the worker from its
+    per-row buffer of sampled tokens. This function is that seam."""
+    return [r.output_ids[-1] for r in decode]
+
+
+def _forward_batch(prefill: list[Req], decode: list[Req], cache: CacheManager,
+                   out_cache_loc: torch.Tensor, starts: list[int]) -> ForwardBatch:
+    reqs = prefill + decode
+    input_ids: list[int] = []
+    for r in prefill:
+        input_ids += r.tokens(r.cached_len, r.seq_len)
+    input_ids += decode_input_ids(decode)
+    prefix_lens = torch.tensor([r.cached_len for r in reqs], dtype=torch.int64)
+    extend_lens = torch.tensor([r.extend_len for r in reqs], dtype=torch.int64)
+    if prefill:
+        positions = torch.cat([torch.arange(r.cached_len, r.seq_len) for r in reqs])
+    else:
+        positions = prefix_lens.clone()
+
+    carried, carried_lens = [], []
+    for i, r in enumerate(reqs):
+        carry = (i < len(prefill) or r.resend_prefix) and r.cached_len > 0
+        r.resend_prefix = False
+        carried_lens.append(r.cached_len if carry else 0)
+        if carry:
+            carried.append(cache.rows.read(r.req_pool_idx, r.cached_len))
+    prefix_slots = torch.cat(carried) if carried else torch.empty(0, dtype=torch.int64)
+
+    params = [r.sampling_params for r in reqs]
+    any_logprob = any(r.return_logprob for r in reqs)
+    return ForwardBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64),
+        positions=positions,
+        req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64),
+        prefix_lens=prefix_lens,
+        extend_lens=extend_lens,
+        out_cache_loc=out_cache_loc,
+        prefix_slots=prefix_slots,
+        prefix_slot_lens=torch.tensor(carried_lens, dtype=torch.int64),
+        sampling_params=params,
+        penalty_history=[(r.origin_input_ids, r.output_ids) if p.has_penalties else None
+                         for r, p in zip(reqs, params)],
+        output_lens=torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64),
+        return_logprob=(torch.tensor([r.return_logprob for r in reqs]) if any_logprob
+                        else None),
+        top_logprobs_num=(torch.tensor([r.top_logprobs_num for r in reqs]) if any_logprob
+                          else None),
+        input_logprob_starts=(torch.tensor(starts + [-1] * len(decode))
+                              if any(s >= 0 for s in starts) else None),
+    )

@@ -1,0 +1,76 @@
+"""The scheduler's arguments, with SGLang's names and defaults, checked once at construction.
+
+``SchedulerConfig`` is frozen: one scheduler reads it for its whole life. Every invalid value
+raises ``ValueError`` whose message starts with the argument's name, so the Engine and the
+command line can report it as given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority", "routing-key")
+EVICTION_POLICIES = ("lru", "lfu", "slru", "priority", "fifo", "filo", "mru")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    schedule_policy: str = "fcfs"
+    # Scales the decode-token reservation (new_token_ratio): > 1 admits fewer requests at once
+    # and retracts less; < 1 admits more and retracts more.
+    schedule_conservativeness: float = 1.0
+    # Longest prefill piece per step; None or -1 turns chunked prefill off. SGLang picks it
+    # from GPU memory (2048 .. 16384); CPU pools are small, so take the small GPUs' value.
+    chunked_prefill_size: int | None = 2048
+    max_prefill_tokens: int = 16384
+    # KV pool size and running-request cap; None: the model runner sizes them from memory.
+    max_total_tokens: int | None = None
+    max_running_requests: int | None = None
+    page_size: int = 1
+    radix_eviction_policy: str = "lru"
+    disable_radix_cache: bool = False
+    enable_mixed_chunk: bool = False
+    # Check the memory invariant after every step (slow; for tests and debugging).
+    debug_invariants: bool = False
+    random_seed: int = 0  # for the `random` queue policy
+
+    def __post_init__(self):
+        def check(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"{name}: {msg} (got {getattr(self, name)!r})")
+
+        def is_int(x) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        check(is_int(self.page_size) and self.page_size >= 1, "page_size",
+              "must be a positive integer")
+        check(self.schedule_policy in SCHEDULE_POLICIES, "schedule_policy",
+              f"must be one of {', '.join(SCHEDULE_POLICIES)}")
+        check(isinstance(self.schedule_conservativeness, (int, float))
+              and not isinstance(self.schedule_conservativeness, bool)
+              and self.schedule_conservativeness > 0, "schedule_conservativeness",
+              "must be a positive number")
+        check(self.chunked_prefill_size is None or (is_int(self.chunked_prefill_size) and (
+            self.chunked_prefill_size == -1 or self.chunked_prefill_size >= self.page_size)),
+              "chunked_prefill_size", "must be -1 (off) or an integer >= page_size")
+        check(is_int(self.max_prefill_tokens) and self.max_prefill_tokens > 0,
+              "max_prefill_tokens", "must be a positive integer")
+        for name in ("max_total_tokens", "max_running_requests"):
+            value = getattr(self, name)
+            check(value is None or (is_int(value) and value > 0), name,
+                  "must be a positive integer")
+        check(self.radix_eviction_policy in EVICTION_POLICIES, "radix_eviction_policy",
+              f"must be one of {', '.join(EVICTION_POLICIES)}")
+        for name in ("disable_radix_cache", "enable_mixed_chunk", "debug_invariants"):
+            check(isinstance(getattr(self, name), bool), name, "must be true or false")
+        check(is_int(self.random_seed), "random_seed", "must be an integer")
+
+    @property
+    def chunk_size(self) -> int | None:
+        """The chunked-prefill budget per step, or None when chunking is off."""
+        size = self.chunked_prefill_size
+        return None if size is None or size == -1 else size
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))

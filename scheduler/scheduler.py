@@ -1,0 +1,338 @@
+"""The scheduler: continuous batching around the radix cache.
+
+One ``step()`` is one forward pass:
+
+1. ``schedule()``: merge the last prefill batch's requests into the running set; try to build a
+   prefill batch (prefill has priority: the chunked request first, then waiting requests in
+   policy order, under the ``PrefillAdder`` budgets, with in-batch prefix sharing; running
+   decodes ride along with ``--enable-mixed-chunk``); otherwise a decode batch of all running
+   requests, retracting some first if the KV pool is short.
+2. ``runner.forward(batch.forward_batch)``.
+3. ``process_output(batch, output)``: append tokens, check stops, hand finished requests' KV
+   to the radix tree, and emit one ``RequestOutput`` per request that got a token or finished.
+
+``schedule`` and ``process_output`` are separate so overlap scheduling can submit batch N+1
+before batch N's tokens are back (see ``batch.decode_input_ids`` for the seam).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..worker.forward_batch import ForwardOutput
+from .batch import ScheduleBatch
+from .cache_manager import CacheManager
+from .config import SchedulerConfig
+from .decode import decode_slots_needed, make_room_for_decode
+from .policy import InBatchPrefixSharing, QueueView, make_policy
+from .prefill_adder import AddResult, PrefillAdder
+from .request import FinishReason, Req, RequestOutput
+from .stop import Decode, StopChecker
+from .token_ratio import NewTokenRatio
+
+
+@dataclass
+class SchedulerStats:
+    """Running totals since start (tests and the benchmark read them; ``metrics()`` exports)."""
+
+    num_prefill_batches: int = 0
+    num_decode_batches: int = 0
+    num_mixed_batches: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed (chunks and re-prefills included)
+    decode_tokens: int = 0
+    num_retracted: int = 0
+    num_finished: int = 0
+    num_aborted: int = 0
+    prompt_tokens: int = 0  # of finished requests
+    cached_tokens: int = 0  # of finished requests
+    generated_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, runner, *, eos_token_ids=(),
+                 decode: Decode | None = None, vocab_size: int | None = None):
+        """``runner`` has ``forward(ForwardBatch) -> ForwardOutput`` and the pool sizes it
+        allocated: ``max_total_tokens``, ``max_running_requests``, ``max_context_len``.
+        ``decode(ids) -> str`` is needed for stop strings."""
+        self.config = config
+        self.runner = runner
+        self.max_context_len = runner.max_context_len
+        self.vocab_size = vocab_size
+        self.cache = CacheManager(runner.max_total_tokens, runner.max_running_requests,
+                                  runner.max_context_len, config.page_size,
+                                  config.radix_eviction_policy, config.disable_radix_cache)
+        self.policy = make_policy(config.schedule_policy, config.random_seed)
+        self.ratio = NewTokenRatio(config.schedule_conservativeness)
+        self.stop = StopChecker(eos_token_ids, decode, self.max_context_len)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None  # a prompt mid-chunk; continues first
+        self.last_batch: ScheduleBatch | None = None
+        self.live: dict[str, Req] = {}  # every unfinished request by rid
+        self.stats = SchedulerStats()
+        self._outputs: list[RequestOutput] = []
+
+    # ------------------------------------------------------------------ requests in and out
+    def add_request(self, req: Req) -> None:
+        """Queue ``req``. Raises ValueError naming the field for a request that can never run."""
+        self.validate_request(req)
+        self.live[req.rid] = req
+        self.waiting.append(req)
+
+    def validate_request(self, req: Req) -> None:
+        """Raise ValueError("<field>: ...") if ``req`` can never run here. Mutates nothing."""
+        if req.rid in self.live:
+            raise ValueError(f"rid: {req.rid!r} is already in use")
+        req.sampling_params.verify(self.vocab_size)
+        if req.sampling_params.constraint is not None:
+            kind = req.sampling_params.constraint[0]
+            raise ValueError(f"{kind}: constrained decoding is not wired into the scheduler yet")
+        if req.sampling_params.stop and self.stop.decode is None:
+            raise ValueError("stop: stop strings need a tokenizer (decode) in the scheduler")
+        if self.vocab_size is not None and max(req.origin_input_ids) >= self.vocab_size:
+            raise ValueError(f"input_ids: token ids must be < vocab size {self.vocab_size}")
+        if req.prompt_len >= self.max_context_len:
+            raise ValueError(f"input_ids: the prompt has {req.prompt_len} tokens; the context "
+                             f"length is {self.max_context_len}")
+        if req.prompt_len + 1 > self.cache.pool_size:
+            raise ValueError(f"input_ids: the prompt has {req.prompt_len} tokens; the KV pool "
+                             f"holds {self.cache.pool_size}")
+
+    def abort(self, rid: str, message: str = "aborted by request") -> bool:
+        """Finish request ``rid`` with an abort reason; False if no such live request. A waiting
+        request ends now; a running one at the next ``step`` (its output says so)."""
+        req = self.live.get(rid)
+        if req is None:
+            return False
+        if req in self.waiting:
+            self.waiting.remove(req)
+            req.finish_reason = FinishReason.abort(message)
+            self._emit(req, [])
+            self._retire(req)
+        else:
+            req.to_abort = message
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.live)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one forward step (if there is anything to run) and return its outputs."""
+        batch = self.schedule()
+        if batch is not None:
+            self.process_output(batch, self.runner.forward(batch.forward_batch))
+        if self.config.debug_invariants:
+            self.check_invariant()
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    def flush_cache(self) -> bool:
+        """Empty the radix cache; refused (False) while any request is live."""
+        if self.live:
+            return False
+        self.cache.flush()
+        return True
+
+    # ------------------------------------------------------------------ scheduling
+    def schedule(self) -> ScheduleBatch | None:
+        """Pick the next batch and allocate its slots; None when there is nothing to run."""
+        self._merge_last_prefill()
+        self._reap_aborted()
+        batch = self._prefill_batch() or self._decode_batch()
+        self.last_batch = batch
+        if batch is None and not self.running:
+            self.ratio.on_idle()
+        return batch
+
+    def _merge_last_prefill(self) -> None:
+        """Requests whose prompt is now complete join the running (decoding) set."""
+        last, self.last_batch = self.last_batch, None
+        if last is not None:
+            self.running += [r for r in last.prefill
+                             if not r.finished and r is not self.chunked_req]
+
+    def _reap_aborted(self) -> None:
+        for req in [*self.running, self.chunked_req]:
+            if req is not None and req.to_abort is not None:
+                req.finish_reason = FinishReason.abort(req.to_abort)
+                self._emit(req, [])
+                self._retire(req)
+        self.running = [r for r in self.running if not r.finished]
+
+    def _prefill_batch(self) -> ScheduleBatch | None:
+        if not self.waiting and self.chunked_req is None:
+            return None
+        mixed = self.config.enable_mixed_chunk and bool(self.running)
+        adder = PrefillAdder(
+            self.cache, self.running, self.ratio.value, self.config.chunk_size,
+            self.config.max_prefill_tokens,
+            decode_slots_needed(self.running, self.cache) if mixed else 0,
+            has_chunked_req=self.chunked_req is not None)
+        continuing = self.chunked_req
+        if continuing is not None:
+            self.chunked_req = adder.add_chunked_req(continuing)
+
+        admitted: list[Req] = []
+        if self.waiting and adder.budget_state() is AddResult.CONTINUE:
+            self.policy.order(self.waiting, QueueView(self.cache, self.running))
+            sharing = None if self.cache.disabled else InBatchPrefixSharing()
+            if sharing is not None and continuing is not None:
+                sharing.add(continuing)  # its prompt is ahead of everyone, done or not
+            for req in self.waiting:
+                if len(admitted) >= self.cache.free_rows():
+                    break
+                self.cache.match(req)
+                if sharing is not None and sharing.hold_back(req):
+                    continue
+                result = adder.add_one_req(req)
+                if adder.can_run and adder.can_run[-1] is req:
+                    admitted.append(req)
+                if result is not AddResult.CONTINUE:
+                    break
+        if not adder.can_run:
+            return None
+
+        done = {id(r) for r in admitted}
+        self.waiting = [r for r in self.waiting if id(r) not in done]
+        for req in admitted:
+            self.cache.assign_row(req)
+            req.cached_tokens += max(req.tree_len - req.computed_len, 0)
+        if adder.new_chunked_req is not None:
+            assert self.chunked_req is None, "two chunked requests at once"
+            self.chunked_req = adder.new_chunked_req
+        decode = list(self.running) if mixed else []
+        if mixed:
+            self.stats.num_mixed_batches += 1
+        self.stats.num_prefill_batches += 1
+        return ScheduleBatch.build(adder.can_run, decode, self.cache)
+
+    def _decode_batch(self) -> ScheduleBatch | None:
+        if not self.running:
+            return None
+        room = make_room_for_decode(self.running, self.cache)
+        if room.retracted:
+            self.waiting[:0] = sorted(room.retracted, key=lambda r: r.arrival)
+            self.stats.num_retracted += len(room.retracted)
+            self.ratio.on_retract(self.running)
+        else:
+            self.ratio.on_decode_step()
+        for req in room.aborted:
+            self._emit(req, [])
+            self._retire(req)
+        if not self.running:
+            return None
+        self.stats.num_decode_batches += 1
+        return ScheduleBatch.build([], list(self.running), self.cache)
+
+    # ------------------------------------------------------------------ results
+    def process_output(self, batch: ScheduleBatch, output: ForwardOutput) -> None:
+        """Apply one forward's results: advance ``cached_len``, append sampled tokens, check
+        stops, cache prompts, retire finished requests, queue their outputs."""
+        next_ids = output.next_token_ids.tolist()
+        num_prefill = len(batch.prefill)
+        for i, req in enumerate(batch.reqs):
+            start, req.cached_len, req.extend_len = req.cached_len, req.seq_len, 0
+            req.computed_len = max(req.computed_len, req.cached_len)
+            input_logprobs_done = False
+            if i < num_prefill:
+                self.stats.prefill_tokens += req.cached_len - start
+                if batch.input_logprob_starts[i] >= 0:
+                    input_logprobs_done = self._collect_input_logprobs(
+                        req, output, i, start, batch.input_logprob_starts[i])
+            else:
+                self.stats.decode_tokens += 1
+            if req.cached_len < req.total_len:
+                continue  # a chunk of a longer prompt: its sample is not a token
+            new_ids = []
+            if req.sampling_params.max_new_tokens == 0:
+                req.finish_reason = FinishReason.of_length(0)  # only filled the cache
+            else:
+                new_ids = [next_ids[i]]
+                req.output_ids.append(next_ids[i])
+                self.stats.generated_tokens += 1
+                req.finish_reason = self.stop.check(req)
+            if req.to_abort is not None and not req.finished:
+                req.finish_reason = FinishReason.abort(req.to_abort)
+            self._emit(req, new_ids, output, i, input_logprobs_done)
+        for req in batch.prefill:  # from the next round on, other requests hit this prompt
+            if not req.finished:
+                self.cache.cache_unfinished(req)
+        for req in batch.reqs:
+            if req.finished:
+                self._retire(req)
+        if batch.decode:
+            self.running = [r for r in self.running if not r.finished]
+
+    def _collect_input_logprobs(self, req: Req, output: ForwardOutput, i: int, start: int,
+                                offset: int) -> bool:
+        """Add the input logprobs of positions ``start + offset ..`` of this step; True once the
+        whole prompt's are in. The first position's value is not computed in this step: None
+        (SGLang's null first entry; also at a chunk seam: see batch._input_logprob_start)."""
+        first = start + offset
+        values = output.input_token_logprobs[i] if output.input_token_logprobs else None
+        values = [] if values is None else values.tolist()
+        ids = req.tokens(first, first + 1 + len(values))
+        req.input_token_logprobs.append((None, ids[0]))
+        req.input_token_logprobs += list(zip(values, ids[1:]))
+        tops = output.input_top_logprobs[i] if output.input_top_logprobs else None
+        if tops is not None:
+            req.input_top_logprobs.append(None)
+            req.input_top_logprobs += [list(zip(v, t)) for v, t in
+                                       zip(tops[0].tolist(), tops[1].tolist())]
+        if req.cached_len >= req.prompt_len:
+            req.input_logprobs_pending = False
+        return not req.input_logprobs_pending
+
+    def _emit(self, req: Req, new_ids: list[int], output: ForwardOutput | None = None,
+              i: int = 0, input_logprobs_done: bool = False) -> None:
+        out = RequestOutput(req.rid, new_ids, req.finished, req.finish_reason, req.prompt_len,
+                            req.cached_tokens, len(req.output_ids))
+        if req.return_logprob and new_ids and output is not None:
+            if output.next_token_logprobs is not None:
+                out.output_token_logprobs = [(float(output.next_token_logprobs[i]), new_ids[0])]
+            top = output.top_logprobs[i] if output.top_logprobs else None
+            if top is not None:
+                out.output_top_logprobs = [list(zip(top[0].tolist(), top[1].tolist()))]
+        if input_logprobs_done:
+            out.input_token_logprobs = req.input_token_logprobs
+            out.input_top_logprobs = req.input_top_logprobs or None
+        self._outputs.append(out)
+
+    def _retire(self, req: Req) -> None:
+        """A finished request gives its KV to the tree and leaves every queue."""
+        if req.req_pool_idx is not None:
+            self.cache.cache_finished(req)
+        if req is self.chunked_req:
+            self.chunked_req = None
+        self.live.pop(req.rid, None)
+        self.stats.num_finished += 1
+        self.stats.num_aborted += req.finish_reason.type == "abort"
+        self.stats.prompt_tokens += req.prompt_len
+        self.stats.cached_tokens += req.cached_tokens
+
+    # ------------------------------------------------------------------ introspection
+    def check_invariant(self) -> None:
+        """Free + tree + held-by-live-requests slots == pool size (see CacheManager)."""
+        self.cache.check_invariant(list(self.live.values()))
+
+    def metrics(self) -> dict:
+        """Gauges and cumulative counters, named as cluster/metrics.py expects them."""
+        pool, s = self.cache.pool_size, self.stats
+        used = pool - self.cache.available_and_evictable()
+        return {
+            "num_running_reqs": len(self.running) + (self.chunked_req is not None),
+            "num_queue_reqs": len(self.waiting),
+            "token_usage": used / pool,
+            "cache_hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+            "new_token_ratio": self.ratio.value,
+            "kv_available_tokens": self.cache.available_size(),
+            "kv_evictable_tokens": self.cache.evictable_size(),
+            "prompt_tokens_total": s.prompt_tokens,
+            "generation_tokens_total": s.generated_tokens,
+            "cached_tokens_total": s.cached_tokens,
+            "num_requests_total": s.num_finished,
+            "num_aborted_requests_total": s.num_aborted,
+            "num_retracted_reqs_total": s.num_retracted,
+            "evicted_tokens_total": self.cache.evicted_tokens,
+        }

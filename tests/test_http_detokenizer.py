@@ -1,0 +1,96 @@
+"""Incremental detokenization: pieces never split a character, their concatenation equals a
+full decode, and stop strings are cut off without ever leaking into a piece."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from transformers import AutoTokenizer
+
+from radixray.cluster.detokenizer import IncrementalDetokenizer
+
+TEXTS = [
+    "héllo wörld 日本語のテキスト ✓✓ def foo(): return 42",
+    "emoji 🚀🔥 mixed with ascii and ümlauts, Ωμέγα and ℝ",
+    "plain ascii text with spaces   and\nnewlines\tand tabs",
+]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_llama_path):
+    return AutoTokenizer.from_pretrained(tiny_llama_path)
+
+
+def stream(detok: IncrementalDetokenizer, ids: list[int], rng: random.Random) -> list[str]:
+    """Feed ids in random-sized groups; return every piece (the last from finish())."""
+    pieces, i = [], 0
+    while i < len(ids):
+        k = rng.randint(1, 3)
+        pieces.append(detok.add(ids[i:i + k]))
+        i += k
+    pieces.append(detok.finish())
+    return pieces
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_pieces_are_whole_characters_and_concatenate_to_full_decode(tok, text):
+    ids = tok.encode(text, add_special_tokens=False)
+    # the non-ascii texts do split characters across tokens
+    assert text.isascii() or any("\ufffd" in tok.decode([t]) for t in ids)
+    for seed in range(5):
+        detok = IncrementalDetokenizer(tok)
+        pieces = stream(detok, ids, random.Random(seed))
+        assert all("\ufffd" not in p for p in pieces)
+        assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True) == text
+        assert detok.text == text
+
+
+def test_random_ids_concatenate_to_full_decode(tok):
+    """Arbitrary id sequences (broken UTF-8 included, special tokens included) still give the
+    full decode once finished; before finishing no piece ends in a partial character."""
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randint(1, 30))]
+        for skip in (True, False):
+            detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+            pieces = stream(detok, ids, rng)
+            assert "".join(pieces) == tok.decode(ids, skip_special_tokens=skip)
+            assert all(not p.endswith("\ufffd") for p in pieces[:-1])
+
+
+@pytest.mark.parametrize("text,stop,expected,matched", [
+    ("def foo(): return 42\nclass Bar:", ["\nclass"], "def foo(): return 42", "\nclass"),
+    ("héllo wörld 日本語のテキスト", ["日本"], "héllo wörld ", "日本"),
+    ("aaa abd abc tail", ["abc"], "aaa abd ", "abc"),  # "ab" held, then released at "abd"
+    ("one two three", ["zzz", "three", "two"], "one ", "two"),  # the earliest one wins
+    ("no stop here at all", ["STOP"], "no stop here at all", None),
+])
+def test_stop_strings_are_cut_and_never_leak(tok, text, stop, expected, matched):
+    ids = tok.encode(text, add_special_tokens=False)
+    for seed in range(5):
+        detok = IncrementalDetokenizer(tok, stop=stop)
+        pieces = stream(detok, ids, random.Random(seed))
+        assert "".join(pieces) == expected
+        sent = ""
+        for p in pieces:  # every prefix sent so far is a prefix of the final text
+            sent += p
+            assert expected.startswith(sent)
+        assert detok.matched_stop == matched
+
+
+def test_stop_string_kept_with_no_stop_trim_and_later_ids_ignored(tok):
+    ids = tok.encode("alpha beta gamma delta", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, stop=["gamma"], no_stop_trim=True)
+    text = "".join(detok.add([t]) for t in ids) + detok.finish()
+    assert text == "alpha beta gamma"
+    assert detok.matched_stop == "gamma"
+    assert detok.add(tok.encode(" more", add_special_tokens=False)) == ""
+
+
+def test_special_tokens_skipped_or_kept(tok):
+    ids = tok.encode("<|im_start|>hi<|im_end|>", add_special_tokens=False)
+    skipped = IncrementalDetokenizer(tok)
+    assert skipped.add(ids) + skipped.finish() == "hi"
+    kept = IncrementalDetokenizer(tok, skip_special_tokens=False)
+    assert kept.add(ids) + kept.finish() == "<|im_start|>hi<|im_end|>"

@@ -1,0 +1,217 @@
+"""The official ``openai`` client against a running server over the in-process engine:
+completions, chat (the tokenizer's chat template), streaming, n > 1, logprobs, stop, seed and
+usage. Every test ends with the scheduler idle and its memory invariant holding."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from http_helpers import MODEL_NAME, ServerThread, make_engine, wait_idle
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_path):
+    eng = make_engine(tiny_llama_path)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(engine, tiny_llama_path):
+    srv = ServerThread(engine, tiny_llama_path)
+    with srv:
+        yield srv
+
+
+@pytest.fixture
+def client(server, engine):
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    yield c
+    c.close()
+    wait_idle(engine)
+
+
+def test_models_list(client, tiny_llama_path):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL_NAME]
+    assert models[0].model_extra["root"] == tiny_llama_path
+
+
+def test_completion_matches_native_generate(client, server):
+    c = client.completions.create(model=MODEL_NAME, prompt="def main():", max_tokens=10,
+                                  temperature=0)
+    assert c.object == "text_completion" and c.model == MODEL_NAME
+    choice = c.choices[0]
+    assert choice.index == 0 and choice.finish_reason in ("stop", "length")
+    native = httpx.post(server.url + "/generate", json={
+        "text": "def main():", "sampling_params": {"max_new_tokens": 10, "temperature": 0}},
+        timeout=60).json()
+    assert choice.text == native["text"]
+    n_prompt = len(server.tokenizer.encode("def main():"))
+    assert c.usage.prompt_tokens == n_prompt
+    assert c.usage.completion_tokens == native["meta_info"]["completion_tokens"]
+    assert c.usage.total_tokens == n_prompt + c.usage.completion_tokens
+    # the native request reused the completion's prompt
+    assert native["meta_info"]["cached_tokens"] == n_prompt - 1
+    again = client.completions.create(model=MODEL_NAME, prompt="def main():", max_tokens=10,
+                                      temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == n_prompt - 1
+
+
+def test_completion_batch_prompts_and_token_ids(client, server):
+    tok = server.tokenizer
+    c = client.completions.create(model=MODEL_NAME, prompt=["import os", "class A:"],
+                                  max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    assert [ch.index for ch in c.choices] == [0, 1]
+    assert c.usage.completion_tokens == 8
+    ids = client.completions.create(model=MODEL_NAME, prompt=tok.encode("import os"),
+                                    max_tokens=4, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert ids.choices[0].text == c.choices[0].text
+
+
+def test_chat_uses_the_chat_template(client, server):
+    tok = server.tokenizer
+    messages = [{"role": "system", "content": "You write Python."},
+                {"role": "user", "content": "Say hi"}]
+    r = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=8,
+                                       temperature=0)
+    assert r.object == "chat.completion"
+    msg = r.choices[0].message
+    assert msg.role == "assistant" and isinstance(msg.content, str)
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tok.encode(text, add_special_tokens=False)
+    assert r.usage.prompt_tokens == len(ids)
+    native = httpx.post(server.url + "/generate", json={
+        "input_ids": ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
+        timeout=60).json()
+    assert msg.content == native["text"]
+    # content given as text parts is the same prompt
+    parts = [{"role": "system", "content": [{"type": "text", "text": "You write Python."}]},
+             {"role": "user", "content": [{"type": "text", "text": "Say "},
+                                          {"type": "text", "text": "hi"}]}]
+    r2 = client.chat.completions.create(model=MODEL_NAME, messages=parts, max_tokens=8,
+                                        temperature=0)
+    assert r2.choices[0].message.content == msg.content
+
+
+def test_streaming_equals_non_streamed(client):
+    for kwargs in [dict(max_tokens=30), dict(max_tokens=30, stop=["\n", "("]),
+                   dict(max_tokens=40, extra_body={"ignore_eos": True})]:
+        full = client.completions.create(model=MODEL_NAME, prompt="def f(x):", temperature=0,
+                                         **kwargs)
+        chunks = list(client.completions.create(
+            model=MODEL_NAME, prompt="def f(x):", temperature=0, stream=True,
+            stream_options={"include_usage": True}, **kwargs))
+        text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+        assert text == full.choices[0].text
+        finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+        assert finals[-1] == full.choices[0].finish_reason and set(finals[:-1]) <= {None}
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == \
+            full.usage.completion_tokens
+        if "stop" in kwargs:
+            assert "\n" not in text and "(" not in text
+
+    messages = [{"role": "user", "content": "write a loop"}]
+    full = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=30,
+                                          temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages,
+                                                 max_tokens=30, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+
+
+def test_n_copies_share_the_prompt_and_differ(client, server):
+    prompt = "def handle_request(self, request):\n    "
+    n_prompt = len(server.tokenizer.encode(prompt))
+    c = client.completions.create(model=MODEL_NAME, prompt=prompt, n=2, max_tokens=8,
+                                  temperature=1.0, extra_body={"ignore_eos": True})
+    assert sorted(ch.index for ch in c.choices) == [0, 1]
+    assert c.usage.prompt_tokens == n_prompt  # counted once per prompt
+    assert c.usage.completion_tokens == 16
+    # each copy found the prompt in the radix cache (computed once, before the copies)
+    assert c.usage.prompt_tokens_details.cached_tokens == 2 * (n_prompt - 1)
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=6,
+        temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    assert len(chat.choices) == 2
+    assert chat.choices[0].message.content != chat.choices[1].message.content
+    streamed = list(client.completions.create(model=MODEL_NAME, prompt=prompt, n=2,
+                                              max_tokens=8, temperature=0, stream=True))
+    texts = {0: "", 1: ""}
+    for ch in streamed:
+        for choice in ch.choices:
+            texts[choice.index] += choice.text
+    assert texts[0] == texts[1]  # greedy copies agree
+
+
+def test_seed_makes_sampling_repeatable(client):
+    def sample(seed):
+        return client.completions.create(model=MODEL_NAME, prompt="import", max_tokens=12,
+                                         temperature=1.0, seed=seed,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in (1, 2, 3, 4)}) > 1
+
+
+def test_logprobs(client, server):
+    tok = server.tokenizer
+    c = client.completions.create(model=MODEL_NAME, prompt="for x in", max_tokens=5,
+                                  temperature=0, logprobs=3, extra_body={"ignore_eos": True})
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == c.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and value <= 0
+        assert top[token] == pytest.approx(value)  # greedy: the chosen token is in the top 3
+        assert max(top.values()) == pytest.approx(value)
+
+    # echo prepends the prompt and its logprobs (the first one null)
+    e = client.completions.create(model=MODEL_NAME, prompt="for x in", max_tokens=2,
+                                  temperature=0, logprobs=0, echo=True,
+                                  extra_body={"ignore_eos": True})
+    n_prompt = len(tok.encode("for x in"))
+    assert e.choices[0].text.startswith("for x in")
+    assert len(e.choices[0].logprobs.token_logprobs) == n_prompt + 2
+    assert e.choices[0].logprobs.token_logprobs[0] is None
+
+    r = client.chat.completions.create(model=MODEL_NAME,
+                                       messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=4, temperature=0, logprobs=True,
+                                       top_logprobs=2, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4
+    assert "".join(x.token for x in content) == r.choices[0].message.content
+    for x in content:
+        assert len(x.top_logprobs) == 2 and x.top_logprobs[0].logprob == pytest.approx(x.logprob)
+        assert bytes(x.bytes).decode() == x.token
+
+
+def test_sglang_extras_are_honoured(client, server):
+    tok = server.tokenizer
+    c = client.completions.create(model=MODEL_NAME, prompt="def", max_tokens=20, temperature=0,
+                                  extra_body={"ignore_eos": True, "min_tokens": 20, "top_k": 1,
+                                              "repetition_penalty": 1.1, "min_p": 0.0,
+                                              "rid": "extras-1", "priority": 3,
+                                              "cache_salt": "tenant-a"})
+    assert c.id == "cmpl-extras-1"
+    assert c.usage.completion_tokens == 20
+    # a different cache salt never shares a prefix with the first one
+    salted = client.completions.create(model=MODEL_NAME, prompt="def", max_tokens=1,
+                                       extra_body={"cache_salt": "tenant-b"})
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    same = client.completions.create(model=MODEL_NAME, prompt="def", max_tokens=1,
+                                     extra_body={"cache_salt": "tenant-a"})
+    assert same.usage.prompt_tokens_details.cached_tokens == same.usage.prompt_tokens - 1 > 0
+    # stop_token_ids: stop at the first generated token, which is not shown
+    first = tok.encode(c.choices[0].text, add_special_tokens=False)[0]
+    s = client.completions.create(model=MODEL_NAME, prompt="def", max_tokens=20, temperature=0,
+                                  extra_body={"stop_token_ids": [first]})
+    assert s.choices[0].finish_reason == "stop"
+    assert s.choices[0].model_extra["matched_stop"] == first
+    assert s.choices[0].text == "" and s.usage.completion_tokens == 1
