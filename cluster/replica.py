@@ -1,0 +1,209 @@
+"""One serving replica as a Ray actor: TP worker group + scheduler thread + HTTP server.
+
+``ReplicaServer`` is the replica's head: it holds the Scheduler and the radix cache (CPU
+bookkeeping) and drives its ``WorkerGroup`` (the ranks that hold weights and KV). It runs the
+replica's HTTP server in a thread of its own process, so a request goes HTTP -> scheduler
+thread -> rank 0 with no extra hop. It registers as the named actor ``replica:<id>`` in the
+``radixray`` namespace; the router discovers replicas there and calls ``get_url``.
+
+Failures: a supervisor thread watches the engine and the ranks. When a rank dies or a step
+hangs past the timeout, every live request ends with an abort finish reason (nobody hangs),
+the worker group is torn down and started afresh with an empty KV pool and radix cache, and the
+replica serves again; ``restarts`` counts how often. While it restarts, health answers 503.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import AsyncIterator
+
+from ..scheduler.config import SchedulerConfig
+from ..scheduler.scheduler import Scheduler
+from ..worker.model_runner import RunnerConfig
+from .async_engine import InProcessEngine
+from .engine import split_server_args
+from .engine_protocol import GenerateRequest, TokenOutput
+from .tp_worker import free_port
+from .worker_group import WorkerGroup, WorkerGroupError
+
+log = logging.getLogger(__name__)
+NAMESPACE = "radixray"
+ACTOR_PREFIX = "replica:"
+SUPERVISE_INTERVAL_S = 0.5
+
+
+def runner_config(model_path: str, config: SchedulerConfig, runner_args: dict) -> RunnerConfig:
+    """The model runner's configuration from the server arguments (SGLang names)."""
+    return RunnerConfig(
+        model_path, dtype=runner_args["dtype"], device=runner_args["device"],
+        max_total_tokens=config.max_total_tokens,
+        mem_fraction_static=runner_args["mem_fraction_static"],
+        max_running_requests=config.max_running_requests,
+        max_context_len=runner_args["context_length"], page_size=config.page_size,
+        attention_backend=runner_args["attention_backend"],
+        load_format=runner_args["load_format"], seed=config.random_seed)
+
+
+class SwappableEngine:
+    """The EngineClient the HTTP app holds; forwards to the replica's current engine, which the
+    supervisor replaces after a restart. No engine (restarting): requests get a 503."""
+
+    def __init__(self):
+        self.current: InProcessEngine | None = None
+
+    def _engine(self) -> InProcessEngine:
+        engine = self.current
+        if engine is None or not engine.alive:
+            raise RuntimeError("replica is restarting")
+        return engine
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenOutput]:
+        async for out in self._engine().generate(req):
+            yield out
+
+    async def abort(self, rid: str) -> None:
+        if self.current is not None:
+            await self.current.abort(rid)
+
+    async def flush_cache(self) -> bool:
+        return await self._engine().flush_cache()
+
+    async def health_check(self, timeout: float) -> bool:
+        engine = self.current
+        return engine is not None and await engine.health_check(timeout)
+
+    def server_info(self) -> dict:
+        return self.current.server_info() if self.current is not None else {}
+
+    def stats(self) -> dict:
+        return self.current.stats() if self.current is not None else {}
+
+
+class ReplicaServer:
+    """Ray actor class (see ``start_replica``). Construction returns once the model is loaded
+    on every rank and the HTTP server listens."""
+
+    def __init__(self, replica_id: str, model_path: str, server_args: dict, tp_size: int = 1,
+                 host: str = "127.0.0.1", port: int | None = None, http_args: dict | None = None,
+                 step_timeout_s: float = 60.0):
+        import uvicorn
+        from transformers import AutoTokenizer
+
+        from .http_server import ServerArgs, create_app
+
+        sched_args, runner_args = split_server_args(server_args)
+        self.config = SchedulerConfig(**sched_args)
+        self.runner_cfg = runner_config(model_path, self.config, runner_args)
+        self.replica_id, self.tp_size, self.step_timeout_s = replica_id, tp_size, step_timeout_s
+        self.tokenizer = AutoTokenizer.from_pretrained(runner_args["tokenizer_path"] or model_path)
+        self.server_args = {**server_args, "tp_size": tp_size}
+        self.restarts = 0
+        self.group: WorkerGroup | None = None
+        self.engine = SwappableEngine()
+        self._start_engine()
+        self.host, self.port = host, port or free_port()
+        http = ServerArgs(model_path=model_path, host=host, port=self.port, replica=replica_id,
+                          extra=self.server_args, **(http_args or {}))
+        app = create_app(self.engine, self.tokenizer, http)
+        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port,
+                                                     log_level="warning"))
+        threading.Thread(target=self._server.run, name="replica-http", daemon=True).start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"replica {replica_id}: HTTP server did not start on "
+                                   f"{host}:{self.port}")
+            time.sleep(0.02)
+        self._stop = threading.Event()
+        threading.Thread(target=self._supervise, name="replica-supervisor", daemon=True).start()
+
+    # ------------------------------------------------------------------ lifecycle
+    def _start_engine(self) -> None:
+        """Start ranks, scheduler and scheduler thread; then point the HTTP app at them."""
+        group = WorkerGroup(self.runner_cfg, self.tp_size, step_timeout_s=self.step_timeout_s)
+        eos = set(group.info["eos_token_ids"])
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        scheduler = Scheduler(self.config, group, eos_token_ids=eos,
+                              decode=self.tokenizer.decode, vocab_size=group.info["vocab_size"])
+        info = {**self.server_args, "model_path": self.runner_cfg.model_path,
+                "engine": "ray-replica", "replica": self.replica_id,
+                "max_total_num_tokens": group.max_total_tokens,
+                "max_running_requests": group.max_running_requests,
+                "max_context_len": group.max_context_len,
+                "vocab_size": group.info["vocab_size"], "restarts": self.restarts}
+        bos = self.tokenizer.bos_token_id
+        engine = InProcessEngine(scheduler, info, health_input_ids=[bos if bos is not None else 0])
+        engine.tokenizer = self.tokenizer
+        engine.start()
+        self.group, self.engine.current = group, engine
+
+    def _supervise(self) -> None:
+        while not self._stop.wait(SUPERVISE_INTERVAL_S):
+            engine, group = self.engine.current, self.group
+            problem = engine.failure if engine is not None else None
+            if problem is None and group is not None:
+                try:
+                    group.check_peers()
+                except WorkerGroupError as e:
+                    problem = e
+            if problem is None:
+                continue
+            log.warning("replica %s: %s; restarting its workers", self.replica_id, problem)
+            self._restart()
+
+    def _restart(self) -> None:
+        old = self.engine.current
+        self.engine.current = None
+        if old is not None:
+            old.shutdown(timeout=self.step_timeout_s)  # live requests end with an abort reason
+        if self.group is not None:
+            self.group.shutdown()
+            self.group = None
+        while not self._stop.is_set():
+            try:
+                self.restarts += 1
+                self._start_engine()
+                return
+            except Exception as e:  # keep trying: a node may be coming back
+                log.error("replica %s: restart failed: %s", self.replica_id, e)
+                time.sleep(2.0)
+
+    # ------------------------------------------------------------------ actor methods
+    def get_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def info(self) -> dict:
+        return {"url": self.get_url(), "restarts": self.restarts,
+                "healthy": self.engine.current is not None and self.engine.current.alive,
+                "worker_pids": self.group.pids() if self.group is not None else []}
+
+    def check_invariant(self) -> int:
+        """Assert the scheduler's memory invariant; returns the number of live requests."""
+        return self.engine.current.check_invariant()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._server.should_exit = True
+        if self.engine.current is not None:
+            self.engine.current.shutdown()
+        if self.group is not None:
+            self.group.shutdown()
+
+
+def start_replica(replica_id: str, model_path: str, server_args: dict, tp_size: int = 1,
+                  host: str = "127.0.0.1", port: int | None = None,
+                  http_args: dict | None = None, step_timeout_s: float = 60.0):
+    """Create the named replica actor (``replica:<id>`` in namespace ``radixray``) and wait
+    until it serves. Needs ``ray.init`` first. The head takes no CPU of its own so its ranks
+    get the node's cores."""
+    import ray
+
+    actor = ray.remote(ReplicaServer).options(
+        name=f"{ACTOR_PREFIX}{replica_id}", namespace=NAMESPACE, num_cpus=0,
+        max_concurrency=8).remote(replica_id, model_path, server_args, tp_size, host, port,
+                                  http_args, step_timeout_s)
+    ray.get(actor.get_url.remote())
+    return actor
