@@ -32,7 +32,7 @@ def test_help_lists_scheduler_flags_with_defaults(capsys):
                      "(default: 2048)", "--max-queued-requests", "--api-key", "--port",
                      "(default: 30000)", "(default: 127.0.0.1)", "--radix-eviction-policy",
                      "(default: lru)", "--max-prefill-tokens", "(default: 16384)",
-                     "in-process engine"):
+                     "--tp-size", "--replicas", "(default: cache_aware)"):
         assert fragment in text, fragment
 
 

@@ -84,6 +84,16 @@ def test_eviction_takes_leaves_before_their_shared_prefix():
     check_invariants(tree)
 
 
+def test_a_per_insert_bound_below_the_trees_applies_to_that_worker_only():
+    tree = ApproxRadixTree(1000)
+    for i in range(20):
+        tree.insert(chr(65 + i) * 20, "small", max_chars=50)
+        tree.insert(chr(65 + i) * 20, "big", max_chars=5000)  # capped by the tree's 1000
+    assert tree.size("small") == 40
+    assert tree.size("big") == 400
+    check_invariants(tree)
+
+
 def test_one_workers_bound_does_not_evict_another_worker():
     tree = ApproxRadixTree(100)
     tree.insert("shared-" * 10, "a")

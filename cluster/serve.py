@@ -1,0 +1,174 @@
+"""``radixray serve``: replicas on Ray behind the cache-aware router.
+
+The command starts (or joins, with ``--ray-address``) a Ray cluster, starts ``--replicas``
+replica actors (each a scheduler head plus ``--tp-size`` worker actors, see ``replica.py``),
+each serving HTTP on ``--replica-base-port + i``, then runs the router on ``--port`` in its own
+process (``python -m radixray.router``: it imports no torch) and waits. Ctrl-C or SIGTERM stops
+the router, the replicas and the local Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import time
+
+# Scheduler arguments as flags: SchedulerConfig's field -> (type, help). Defaults come from
+# SchedulerConfig itself, so --help always shows the real ones.
+_SCHEDULER_FLAGS = {
+    "schedule_policy": (str, "waiting-queue order"),
+    "schedule_conservativeness": (float, "> 1 admits fewer requests at once, < 1 more"),
+    "chunked_prefill_size": (int, "longest prefill piece per step; -1 turns chunking off"),
+    "max_prefill_tokens": (int, "prompt tokens per prefill batch"),
+    "max_total_tokens": (int, "KV pool size in tokens; None: sized from memory"),
+    "max_running_requests": (int, "running-request cap; None: 256"),
+    "page_size": (int, "tokens per KV page"),
+    "radix_eviction_policy": (str, "which cached prefixes go first when memory runs short"),
+    "disable_radix_cache": (bool, "no prefix sharing at all"),
+    "enable_mixed_chunk": (bool, "running decodes ride along with prefill batches"),
+    "debug_invariants": (bool, "check the KV memory invariant after every step (slow)"),
+    "random_seed": (int, "seed for sampling and the random queue policy"),
+}
+
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """Every flag of ``radixray serve`` (mutates ``p``)."""
+    from ..kernels import ATTENTION_BACKEND_CHOICES
+    from ..scheduler.config import EVICTION_POLICIES, SCHEDULE_POLICIES, SchedulerConfig
+
+    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    p.add_argument("--model", "--model-path", dest="model_path", default=None,
+                   help="HF model folder; None: the built-in demo model (made if missing)")
+    p.add_argument("--tokenizer-path", default=None, help="None: the model folder")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send; None: the model path")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=30000,
+                   help="the router's port (the cluster's front door)")
+    p.add_argument("--replica-base-port", type=int, default=None,
+                   help="replica i's HTTP server listens on this + i; None: --port + 1")
+    p.add_argument("--api-key", default=None,
+                   help="require Authorization: Bearer KEY on every endpoint but /health*")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="answer 429 beyond this many requests waiting for their first token; "
+                        "None: no limit")
+    p.add_argument("--health-check-timeout", type=float, default=20.0,
+                   help="seconds /health may wait for its one-token generation")
+    g = p.add_argument_group("cluster")
+    g.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1,
+                   help="tensor-parallel ranks per replica (one Ray actor each)")
+    g.add_argument("--replicas", "--dp-size", dest="replicas", type=int, default=1,
+                   help="data-parallel replicas behind the router")
+    g.add_argument("--ray-address", default=None,
+                   help="Ray cluster to join (e.g. auto); None: start a local Ray")
+    g.add_argument("--router-policy", default="cache_aware",
+                   help="routing policy (see radixray router --help)")
+    g.add_argument("--step-timeout", type=float, default=60.0,
+                   help="seconds a forward step may take before its replica restarts")
+    g = p.add_argument_group("model runner")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: float32 on CPU, bfloat16 on GPU")
+    g.add_argument("--device", default="cpu", help="torch device")
+    g.add_argument("--context-length", type=int, default=None,
+                   help="None: the model's max_position_embeddings")
+    g.add_argument("--mem-fraction-static", type=float, default=0.85,
+                   help="GPU: share of memory for weights and KV cache")
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKEND_CHOICES,
+                   help="auto: flashinfer > triton on CUDA, torch_native on CPU")
+    g.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
+                   help="dummy: random weights (benchmarks)")
+    g = p.add_argument_group("scheduler")
+    defaults = SchedulerConfig()
+    choices = {"schedule_policy": SCHEDULE_POLICIES, "radix_eviction_policy": EVICTION_POLICIES}
+    for name, (kind, help_text) in _SCHEDULER_FLAGS.items():
+        flag = "--" + name.replace("_", "-")
+        default = getattr(defaults, name)
+        if kind is bool:
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                           help=help_text)
+        else:
+            g.add_argument(flag, type=kind, default=default, choices=choices.get(name),
+                           help=help_text)
+
+
+def server_args_from(args: argparse.Namespace) -> dict:
+    """The engine's server arguments (SGLang names) from parsed flags."""
+    server_args = {name: getattr(args, name) for name in _SCHEDULER_FLAGS}
+    server_args.update(dtype=args.dtype, device=args.device, context_length=args.context_length,
+                       mem_fraction_static=args.mem_fraction_static,
+                       attention_backend=args.attention_backend, load_format=args.load_format,
+                       tokenizer_path=args.tokenizer_path)
+    return server_args
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import ray
+
+    from ..scheduler.config import SchedulerConfig
+    from ..worker.make_model import ensure_default_model
+    from .engine import split_server_args
+    from .replica import NAMESPACE, start_replica
+
+    model_path = args.model_path
+    if model_path is None:
+        print("radixray serve: no --model given; using the built-in demo model "
+              "(made on first use)", flush=True)
+        model_path = ensure_default_model()
+    server_args = server_args_from(args)
+    try:  # reject bad arguments before anything starts
+        SchedulerConfig(**split_server_args(server_args)[0])
+        for name in ("tp_size", "replicas"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"{name}: must be >= 1")
+    except ValueError as e:
+        print(f"radixray serve: error: {e}", file=sys.stderr)
+        return 2
+    http_args = {"served_model_name": args.served_model_name, "api_key": args.api_key,
+                 "max_queued_requests": args.max_queued_requests,
+                 "health_check_timeout": args.health_check_timeout}
+    base_port = args.replica_base_port or args.port + 1
+    replica_host = "127.0.0.1" if args.host in ("127.0.0.1", "localhost") else args.host
+    ray.init(address=args.ray_address or "local", namespace=NAMESPACE,
+             include_dashboard=False, log_to_driver=False)
+    replicas, router = [], None
+    try:
+        for i in range(args.replicas):
+            replicas.append(start_replica(str(i), model_path, server_args, args.tp_size,
+                                          replica_host, base_port + i, http_args,
+                                          args.step_timeout))
+        urls = ray.get([r.get_url.remote() for r in replicas])
+        print(f"radixray: {len(urls)} replica(s) ready: {' '.join(urls)}", flush=True)
+        router = subprocess.Popen([
+            sys.executable, "-m", "radixray.router", "--host", args.host, "--port",
+            str(args.port), "--policy", args.router_policy, "--worker-urls", *urls])
+        print(f"radixray serving {args.served_model_name or model_path} at "
+              f"http://{args.host}:{args.port} (router; OpenAI API under /v1, SGLang native "
+              f"POST /generate)", flush=True)
+        stopping = []
+
+        def stop(*_):
+            stopping.append(True)
+            router.terminate()
+
+        signal.signal(signal.SIGTERM, stop)
+        try:
+            code = router.wait()
+        except KeyboardInterrupt:
+            return 0
+        return 0 if stopping else code  # a router we stopped exits by the signal
+    except Exception as e:
+        print(f"radixray serve: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if router is not None and router.poll() is None:
+            router.terminate()
+            router.wait(10)
+        for r in replicas:
+            try:
+                ray.get(r.shutdown.remote(), timeout=30)
+            except Exception:
+                pass
+        ray.shutdown()

@@ -1,0 +1,258 @@
+"""The router's HTTP app (Starlette): SGLang's API in front, workers behind.
+
+Generation routes (/generate, /v1/completions, /v1/chat/completions) go through admission control
+and the routing policy; info routes go to any available worker; /flush_cache goes to all of them.
+/workers manages the worker set at run time, /metrics exposes Prometheus metrics, /health says
+whether any worker can take traffic. No torch, and no other radixray folder, is imported here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import time
+
+import httpx
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from .admission import Admission, Rejected
+from .circuit import STATE_NAMES
+from .config import RouterConfig
+from .health import HealthChecker
+from .metrics import RouterMetrics
+from .policies import RequestInfo, make_policy
+from .proxy import Proxy, error_response
+from .request import BadRequest, request_text, routing_key
+from .tree import ApproxRadixTree
+from .workers import WorkerRegistry, normalize_url
+
+log = logging.getLogger("radixray.router")
+
+GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+INFO_ROUTES = ("/get_model_info", "/model_info", "/get_server_info", "/server_info",
+               "/v1/models", "/health_generate")
+
+
+class Router:
+    """All router state. The HTTP client, admission control and background tasks are created in
+    ``start()`` (they belong to the serving event loop)."""
+
+    def __init__(self, config: RouterConfig, discovery_lister=None, discovery_url_of=None):
+        self.config = config
+        self.rng = random.Random(config.seed)
+        self.tree = ApproxRadixTree(config.max_tree_size)
+        self.metrics = RouterMetrics()
+        self.registry = WorkerRegistry(config)
+        self.registry.on_down(self.tree.remove_tenant)
+        self.policy = make_policy(config, self.rng)
+        for url in config.worker_urls:
+            self.registry.add(url, source="static")
+        self.discovery = None
+        if config.ray_address or discovery_lister is not None:
+            from .discovery import RayDiscovery
+
+            self.discovery = RayDiscovery(config, self.registry, self.remove_worker,
+                                          discovery_lister, discovery_url_of)
+        self.client: httpx.AsyncClient | None = None
+        self.proxy: Proxy | None = None
+        self.admission: Admission | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    def remove_worker(self, url: str) -> bool:
+        """Forget a worker: registry, tree entries, gauges. In-flight requests to it finish."""
+        worker = self.registry.remove(url)
+        if worker is not None:
+            self.metrics.forget_worker(worker.url)
+        return worker is not None
+
+    async def start(self) -> None:
+        c = self.config
+        timeout = httpx.Timeout(c.request_timeout, connect=c.connect_timeout)
+        # No cap on connections: admission control is the one limit on concurrency.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
+        self.admission = Admission(c.max_concurrent_requests, c.queue_size, c.queue_timeout)
+        self.proxy = Proxy(c, self.registry, self.tree, self.policy, self.metrics, self.client,
+                           self.rng)
+        health = HealthChecker(self.registry, self.client, c)
+        self._tasks = [asyncio.create_task(health.check_all()),  # learn the truth right away
+                       asyncio.create_task(health.run()),
+                       asyncio.create_task(self._sweep_loop())]
+        if self.discovery is not None:
+            self._tasks.append(asyncio.create_task(self.discovery.run()))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        if self.client is not None:
+            await self.client.aclose()
+
+    def sweep(self) -> None:
+        """Drop tree entries of workers that are gone or unhealthy; re-assert the bound."""
+        for tenant in self.tree.tenants():
+            worker = self.registry.get(tenant)
+            if worker is None or not worker.healthy:
+                self.tree.remove_tenant(tenant)
+            else:
+                self.tree.evict_to(tenant, min(worker.tree_limit or self.config.max_tree_size,
+                                               self.config.max_tree_size))
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.eviction_interval)
+            self.sweep()
+
+    # ------------------------------------------------------------------------------- handlers
+    async def generate(self, request: Request) -> Response:
+        route = request.url.path
+        started = time.perf_counter()
+        admitted = False
+        finished = False
+
+        def finish(status: int) -> None:
+            nonlocal finished
+            if finished:
+                return
+            finished = True
+            self.metrics.requests.labels(route, str(status)).inc()
+            self.metrics.duration.labels(route).observe(time.perf_counter() - started)
+            if admitted:
+                self.admission.release()
+
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise BadRequest("body: must be a JSON object")
+            info = RequestInfo(request_text(body), routing_key(body, request.headers))
+        except BadRequest as exc:
+            return self._reject(route, 400, str(exc), finish)
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+            return self._reject(route, 400, f"body: not valid JSON ({exc})", finish)
+        try:
+            await self.admission.acquire()
+        except Rejected as exc:
+            return self._reject(route, 429, str(exc), finish)
+        admitted = True
+        try:
+            return await self.proxy.forward(route, raw, info, request.headers,
+                                            body.get("stream") is True, finish)
+        except BaseException:
+            finish(499)  # cancelled or crashed: free the slot
+            raise
+
+    @staticmethod
+    def _reject(route, status, message, finish) -> Response:
+        finish(status)
+        return error_response(route, status, message)
+
+    async def info(self, request: Request) -> Response:
+        return await self.proxy.forward_plain(request.method, request.url.path,
+                                              await request.body(), request.headers)
+
+    async def health(self, request: Request) -> Response:
+        available = self.registry.available()
+        if available:
+            return PlainTextResponse(f"ok: {len(available)} of {len(self.registry)} workers "
+                                     f"available")
+        return error_response("/health", 503, "no healthy worker")
+
+    async def flush_cache(self, request: Request) -> Response:
+        """Flush every available worker; the tree forgets those that flushed."""
+        workers = self.registry.available()
+        if not workers:
+            return error_response("/flush_cache", 503, "no healthy worker")
+
+        async def flush(worker):
+            try:
+                resp = await self.client.post(worker.url + "/flush_cache")
+                return worker, resp.status_code, resp.text
+            except httpx.HTTPError as exc:
+                return worker, 502, f"{type(exc).__name__}: {exc}"
+
+        results = await asyncio.gather(*(flush(w) for w in workers))
+        failed = []
+        for worker, status, text in results:
+            if status == 200:
+                self.tree.remove_tenant(worker.url)
+            else:
+                failed.append(f"{worker.url}: HTTP {status} {text.strip()[:200]}")
+        if failed:
+            return PlainTextResponse("flush failed on " + "; ".join(failed), status_code=400)
+        return PlainTextResponse(f"Cache flushed on {len(results)} workers.\n")
+
+    async def list_workers(self, request: Request) -> Response:
+        return JSONResponse({"policy": self.policy.name, "workers": [
+            {"url": w.url, "source": w.source, "healthy": w.healthy, "available": w.available(),
+             "load": w.load, "served": w.served, "circuit": STATE_NAMES[w.breaker.state],
+             "tree_chars": self.tree.size(w.url),
+             "tree_limit": w.tree_limit or self.config.max_tree_size}
+            for w in self.registry.all()]})
+
+    async def add_worker(self, request: Request) -> Response:
+        """POST /workers {"url": ...} (or ?url=...): 201 when added, 200 when already known."""
+        try:
+            body = json.loads(await request.body() or b"{}")
+        except ValueError as exc:
+            return error_response("/workers", 400, f"body: not valid JSON ({exc})")
+        url = body.get("url") if isinstance(body, dict) else None
+        if url is None:
+            url = request.query_params.get("url")
+        try:
+            url = normalize_url(url)
+        except ValueError as exc:
+            return error_response("/workers", 400, str(exc))
+        known = url in self.registry
+        self.registry.add(url, source="api")
+        return JSONResponse({"url": url, "added": not known}, status_code=200 if known else 201)
+
+    async def delete_worker(self, request: Request) -> Response:
+        url = request.path_params["url"]
+        try:
+            removed = self.remove_worker(url)
+        except ValueError as exc:
+            return error_response("/workers", 400, str(exc))
+        if not removed:
+            return error_response("/workers", 404, f"url: no worker {url!r}")
+        return JSONResponse({"url": url.rstrip("/"), "removed": True})
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        body = self.metrics.render(self.registry.all(), self.tree)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+def build_app(config: RouterConfig, router: Router | None = None) -> Starlette:
+    """The ASGI app; ``router`` may be passed in to inspect its state (tests, embedding)."""
+    router = router or Router(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    routes = [Route(path, router.generate, methods=["POST"]) for path in GENERATION_ROUTES]
+    routes += [Route(path, router.info, methods=["GET", "POST"]) for path in INFO_ROUTES]
+    routes += [
+        Route("/health", router.health, methods=["GET"]),
+        Route("/flush_cache", router.flush_cache, methods=["POST"]),
+        Route("/workers", router.list_workers, methods=["GET"]),
+        Route("/workers", router.add_worker, methods=["POST"]),
+        Route("/workers/{url:path}", router.delete_worker, methods=["DELETE"]),
+        Route("/metrics", router.metrics_endpoint, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.router = router
+    return app

@@ -1,0 +1,235 @@
+"""A fake SGLang-compatible worker for tests and benchmarks (no model, no torch).
+
+It answers /generate, /v1/completions and /v1/chat/completions (plain and streamed), /health,
+/get_model_info, /get_server_info and /flush_cache in the shapes of
+shared/reference/sglang-contract.md. Its "KV cache" is an exact prefix cache over characters (one
+tenant of the router's own radix tree), so ``cached_tokens`` behaves like an engine's: the
+router's real-hit-rate metric and the benchmarks can be exercised without a model. One character
+counts as one token.
+
+Knobs on the FakeWorker object (tests flip them while it serves): ``fail_status`` answers every
+generation with that status; ``delay`` waits before answering; ``chunk_delay`` paces stream
+chunks; ``health_status`` is what /health returns.
+
+``serve_in_thread(app)`` runs any ASGI app with uvicorn on 127.0.0.1 in a daemon thread;
+``python -m radixray.router.fake_worker --port 0`` runs one in its own process and prints
+``PORT <n>`` once it listens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import sys
+import threading
+import time
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.routing import Route
+
+from .request import request_text
+from .tree import ApproxRadixTree
+
+
+class FakeWorker:
+    def __init__(self, name: str = "fake", cache_chars: int = 1 << 20, output_len: int = 8,
+                 delay: float = 0.0, chunk_delay: float = 0.0):
+        self.name = name
+        self.cache = ApproxRadixTree(cache_chars)
+        self.output_len = output_len
+        self.delay = delay
+        self.chunk_delay = chunk_delay
+        self.fail_status: int | None = None
+        self.health_status = 200
+        self.requests = 0  # generation requests received
+        self.cancelled_streams = 0  # streams whose client went away before the end
+        self.app = self._build()
+
+    # The answer is deterministic in the prompt, so a direct and a routed request match byte
+    # for byte (no timestamps or random ids in it).
+    def _cached(self, text: str) -> int:
+        """Characters of ``text`` already cached (all but the last, like SGLang), then cache it."""
+        hit = self.cache.match(text).chars_for("kv")
+        self.cache.insert(text, "kv")
+        return min(hit, max(len(text) - 1, 0))
+
+    def _output(self, text: str) -> str:
+        return "".join(chr(97 + (len(text) + i) % 26) for i in range(self.output_len))
+
+    async def _generation(self, request: Request):
+        self.requests += 1
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        if self.fail_status is not None:
+            return None, JSONResponse({"error": {"message": f"{self.name} failing on purpose"}},
+                                      status_code=self.fail_status)
+        body = json.loads(await request.body())
+        text = request_text(body)
+        return (body, text, self._cached(text), self._output(text)), None
+
+    async def generate(self, request: Request):
+        parsed, error = await self._generation(request)
+        if error is not None:
+            return error
+        body, text, cached, out = parsed
+
+        def meta(n_out, done):
+            finish = {"type": "length", "length": n_out} if done else None
+            return {"id": f"{self.name}-{len(text)}", "prompt_tokens": len(text),
+                    "completion_tokens": n_out, "cached_tokens": cached,
+                    "finish_reason": finish, "e2e_latency": 0.0, "worker": self.name}
+
+        if body.get("stream"):
+            return self._stream([{"text": out[:i + 1], "meta_info": meta(i + 1, i + 1 == len(out))}
+                                 for i in range(len(out))])
+        return JSONResponse({"text": out, "output_ids": [ord(c) for c in out],
+                             "meta_info": meta(len(out), True)})
+
+    async def openai(self, request: Request):
+        parsed, error = await self._generation(request)
+        if error is not None:
+            return error
+        body, text, cached, out = parsed
+        chat = request.url.path.endswith("/chat/completions")
+        usage = {"prompt_tokens": len(text), "completion_tokens": len(out),
+                 "total_tokens": len(text) + len(out),
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        base = {"id": f"{self.name}-{len(text)}", "model": "fake", "created": 0,
+                "object": "chat.completion" if chat else "text_completion"}
+
+        def choice(piece, done, delta):
+            c = {"index": 0, "finish_reason": "length" if done else None}
+            if chat:
+                c["delta" if delta else "message"] = {"role": "assistant", "content": piece}
+            else:
+                c["text"] = piece
+            return c
+
+        if body.get("stream"):
+            events = [dict(base, choices=[choice(ch, i + 1 == len(out), True)], usage=None)
+                      for i, ch in enumerate(out)]
+            if (body.get("stream_options") or {}).get("include_usage"):
+                events.append(dict(base, choices=[], usage=usage))
+            return self._stream(events)
+        return JSONResponse(dict(base, choices=[choice(out, True, False)], usage=usage))
+
+    def _stream(self, events):
+        async def gen():
+            try:
+                for event in events:
+                    if self.chunk_delay:
+                        await asyncio.sleep(self.chunk_delay)
+                    yield f"data: {json.dumps(event)}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+            except asyncio.CancelledError:
+                self.cancelled_streams += 1
+                raise
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    async def health(self, request: Request):
+        return PlainTextResponse("ok" if self.health_status == 200 else "unhealthy",
+                                 status_code=self.health_status)
+
+    async def model_info(self, request: Request):
+        return JSONResponse({"model_path": "fake/model", "tokenizer_path": "fake/model",
+                             "is_generation": True, "worker": self.name})
+
+    async def server_info(self, request: Request):
+        return JSONResponse({"max_total_num_tokens": self.cache.max_chars, "version": "fake",
+                             "worker": self.name})
+
+    async def flush_cache(self, request: Request):
+        self.cache.clear()
+        return PlainTextResponse("Cache flushed.\n")
+
+    def _build(self) -> Starlette:
+        return Starlette(routes=[
+            Route("/generate", self.generate, methods=["POST"]),
+            Route("/v1/completions", self.openai, methods=["POST"]),
+            Route("/v1/chat/completions", self.openai, methods=["POST"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/health_generate", self.health, methods=["GET"]),
+            Route("/get_model_info", self.model_info, methods=["GET"]),
+            Route("/get_server_info", self.server_info, methods=["GET"]),
+            Route("/flush_cache", self.flush_cache, methods=["POST"]),
+        ])
+
+
+def _tcp_socket() -> socket.socket:
+    # proto must be IPPROTO_TCP (not 0): asyncio only sets TCP_NODELAY on such sockets, and
+    # without it every response waits ~40 ms for a delayed ACK (Nagle).
+    return socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+
+
+class ServerThread:
+    """An ASGI app served by uvicorn on 127.0.0.1 in a daemon thread."""
+
+    def __init__(self, app, port: int = 0):
+        import uvicorn
+
+        self.sock = _tcp_socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", port))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="auto",
+                                timeout_graceful_shutdown=1)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+
+    def start(self, timeout: float = 10.0) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError(f"server on {self.url} did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.stop_nowait()
+        self.join()
+
+    def stop_nowait(self) -> None:
+        """Ask the server to exit (stopping several at once is faster than one by one)."""
+        self.server.should_exit = True
+
+    def join(self) -> None:
+        self.thread.join(timeout=5)
+        self.sock.close()
+
+
+def serve_in_thread(app, port: int = 0) -> ServerThread:
+    return ServerThread(app, port).start()
+
+
+def main(argv=None) -> None:
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description="fake SGLang-compatible worker")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--name", default="fake")
+    parser.add_argument("--delay", type=float, default=0.0)
+    parser.add_argument("--chunk-delay", type=float, default=0.0)
+    parser.add_argument("--output-len", type=int, default=8)
+    args = parser.parse_args(argv)
+    worker = FakeWorker(args.name, output_len=args.output_len, delay=args.delay,
+                        chunk_delay=args.chunk_delay)
+    sock = _tcp_socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", args.port))
+    sock.listen(128)  # connections wait in the backlog until uvicorn serves
+    print(f"PORT {sock.getsockname()[1]}", flush=True)
+    sys.stdout.flush()
+    server = uvicorn.Server(uvicorn.Config(worker.app, log_level="warning", access_log=False))
+    server.run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,303 @@
+"""Forwarding a generation request: choose a worker, send, retry elsewhere on failure.
+
+Non-streamed requests are retried on connection errors, timeouts and retryable statuses.
+Streamed requests are retried the same way until the first body byte has arrived from a worker;
+after that the router is committed: the bytes pass through chunk by chunk as they come (no
+buffering, no re-encoding), an upstream failure becomes an in-band SSE error event, and a client
+disconnect closes the upstream connection, which makes the worker abort the generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from dataclasses import dataclass
+
+import anyio
+import httpx
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from .config import RouterConfig
+from .metrics import RouterMetrics
+from .policies import Policy, RequestInfo, least_loaded
+from .request import SSETail, token_counts
+from .retry import BREAKER_STATUS, RETRYABLE_STATUS, backoff_delay
+from .tree import ApproxRadixTree
+from .workers import Worker, WorkerRegistry
+
+# Not forwarded in either direction: connection-level headers, and headers the HTTP stacks on
+# each side recompute. Upstream compression is refused so bytes pass through as they are.
+HOP_HEADERS = frozenset({
+    "host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer",
+    "upgrade", "proxy-connection", "proxy-authenticate", "proxy-authorization",
+    "accept-encoding", "content-encoding", "date", "server",
+})
+
+
+def upstream_headers(headers) -> dict[str, str]:
+    out = {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
+    out["accept-encoding"] = "identity"
+    return out
+
+
+def downstream_headers(headers) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
+
+
+def error_response(route: str, status: int, message: str) -> JSONResponse:
+    """An error in the style of the route: OpenAI's for /v1/..., SGLang's native otherwise."""
+    if route.startswith("/v1/"):
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        body = {"object": "error", "message": message, "type": kind, "param": None,
+                "code": status}
+    else:
+        body = {"error": {"message": message, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+@dataclass
+class Failure:
+    kind: str  # label of errors_total: connect, timeout, protocol, stream, http_<status>
+    message: str
+    response: Response | None = None  # the worker's own answer, for a retryable status
+
+
+async def _close(resp: httpx.Response | None) -> None:
+    """Close an upstream response even while being cancelled (else the connection leaks)."""
+    if resp is not None:
+        with anyio.CancelScope(shield=True):
+            await resp.aclose()
+
+
+class UpstreamStream(StreamingResponse):
+    """A StreamingResponse whose cleanup runs exactly once, whether the stream finished, failed,
+    the client went away, or the body was never started."""
+
+    def __init__(self, content, cleanup, **kwargs):
+        super().__init__(content, **kwargs)
+        self._cleanup = cleanup
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._cleanup()
+
+
+class Proxy:
+    def __init__(self, config: RouterConfig, registry: WorkerRegistry, tree: ApproxRadixTree,
+                 policy: Policy, metrics: RouterMetrics, client: httpx.AsyncClient,
+                 rng: random.Random):
+        self.config = config
+        self.registry = registry
+        self.tree = tree
+        self.policy = policy
+        self.metrics = metrics
+        self.client = client
+        self.rng = rng
+
+    async def forward(self, route: str, raw: bytes, info: RequestInfo, headers, stream: bool,
+                      on_done) -> Response:
+        """Route one generation request, with retries. ``on_done(status)`` is called once when
+        the answer is complete (for a stream: when its last byte went out or it was cut)."""
+        match = self.tree.match(info.text)
+        tried: set[str] = set()
+        failures: list[str] = []
+        last_answer: Response | None = None
+        fwd = upstream_headers(headers)
+        for attempt in range(self.config.max_retries + 1):
+            if attempt and self.registry.available():  # no point waiting for nobody
+                await asyncio.sleep(backoff_delay(attempt, self.config, self.rng))
+            candidates = self.registry.available()
+            if not candidates:
+                break
+            fresh = [w for w in candidates if w.url not in tried] or candidates
+            decision = self.policy.choose(info, fresh, match)
+            worker = decision.worker
+            self.metrics.decisions.labels(self.policy.name, decision.kind).inc()
+            predicted = match.chars_for(worker.url)  # before the insert below marks it cached
+            self.tree.insert(info.text, worker.url, worker.tree_limit)
+            tried.add(worker.url)
+            send = self._send_stream if stream else self._send_once
+            result = await send(worker, route, raw, fwd, on_done)
+            if isinstance(result, Response):
+                self.metrics.record_prediction(predicted, len(info.text))
+                return result
+            self.metrics.errors.labels(worker.url, result.kind).inc()
+            failures.append(f"{worker.url}: {result.message}")
+            last_answer = result.response or last_answer
+            if attempt < self.config.max_retries:
+                self.metrics.retries.labels(worker.url).inc()
+        if last_answer is not None:
+            answer = last_answer  # the workers' own words beat ours
+        elif not failures:
+            answer = error_response(route, 503, "no healthy worker: " + self._roster())
+        else:
+            status = 503 if not self.registry.available() else 502
+            answer = error_response(route, status, f"all {len(failures)} attempts failed; "
+                                    + "; ".join(failures[-3:]))
+        on_done(answer.status_code)
+        return answer
+
+    async def forward_plain(self, method: str, path: str, raw: bytes, headers) -> Response:
+        """Forward a non-generation request (model info, health_generate) to the least loaded
+        available worker, retrying elsewhere; no tree, no decision metrics."""
+        tried: set[str] = set()
+        failures: list[str] = []
+        last_answer = None
+        for attempt in range(self.config.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(backoff_delay(attempt, self.config, self.rng))
+            candidates = self.registry.available()
+            if not candidates:
+                break
+            worker = least_loaded([w for w in candidates if w.url not in tried] or candidates,
+                                  self.rng)
+            tried.add(worker.url)
+            try:
+                resp = await self.client.request(method, worker.url + path, content=raw or None,
+                                                 headers=upstream_headers(headers))
+            except httpx.HTTPError as exc:
+                failure = self._transport_failure(worker, exc)
+                self.metrics.errors.labels(worker.url, failure.kind).inc()
+                failures.append(f"{worker.url}: {failure.message}")
+                continue
+            answer = Response(resp.content, resp.status_code, downstream_headers(resp.headers))
+            if resp.status_code not in RETRYABLE_STATUS:
+                return answer
+            failures.append(f"{worker.url}: HTTP {resp.status_code}")
+            last_answer = answer
+        if last_answer is not None:
+            return last_answer
+        if not failures:
+            return error_response(path, 503, "no healthy worker: " + self._roster())
+        return error_response(path, 502, "all attempts failed; " + "; ".join(failures[-3:]))
+
+    def _roster(self) -> str:
+        workers = self.registry.all()
+        if not workers:
+            return "no workers are registered"
+        return ", ".join(f"{w.url} ({'circuit open' if w.healthy else 'unhealthy'})"
+                         for w in workers)
+
+    def _transport_failure(self, worker: Worker, exc: Exception) -> Failure:
+        """Account for a request that never got an answer from ``worker``."""
+        worker.breaker.record_failure()
+        if isinstance(exc, httpx.ConnectError):
+            self.registry.mark_unhealthy(worker)  # nothing listens there: stop at once
+            return Failure("connect", f"connection failed ({exc})")
+        if isinstance(exc, httpx.TimeoutException):
+            return Failure("timeout", f"timed out ({type(exc).__name__})")
+        return Failure("protocol", f"{type(exc).__name__}: {exc}")
+
+    def _status_failure(self, worker: Worker, status: int, answer: Response) -> Failure:
+        if status in BREAKER_STATUS:
+            worker.breaker.record_failure()
+        else:
+            worker.breaker.record_neutral()
+        return Failure(f"http_{status}", f"HTTP {status}", answer)
+
+    def _record_usage(self, payload) -> None:
+        counts = token_counts(payload)
+        if counts is not None:
+            self.metrics.record_real(*counts)
+
+    async def _send_once(self, worker: Worker, route, raw, fwd, on_done):
+        worker.load += 1
+        worker.breaker.on_send()
+        try:
+            resp = await self.client.post(worker.url + route, content=raw, headers=fwd)
+        except httpx.HTTPError as exc:
+            return self._transport_failure(worker, exc)
+        except asyncio.CancelledError:
+            worker.breaker.record_neutral()
+            raise
+        finally:
+            worker.load -= 1
+        answer = Response(resp.content, resp.status_code, downstream_headers(resp.headers))
+        if resp.status_code in RETRYABLE_STATUS:
+            return self._status_failure(worker, resp.status_code, answer)
+        worker.breaker.record_success()
+        if resp.status_code == 200:
+            worker.served += 1
+            try:
+                self._record_usage(json.loads(resp.content))
+            except ValueError:
+                pass  # not JSON: nothing to learn about the cache
+        on_done(resp.status_code)
+        return answer
+
+    async def _send_stream(self, worker: Worker, route, raw, fwd, on_done):
+        worker.load += 1
+        worker.breaker.on_send()
+        resp = None
+        try:
+            request = self.client.build_request("POST", worker.url + route, content=raw,
+                                                headers=fwd)
+            resp = await self.client.send(request, stream=True)
+            if resp.status_code == 200:
+                chunks = resp.aiter_raw()
+                try:  # wait for the first byte: until then a failure can be retried elsewhere
+                    first = await chunks.__anext__()
+                except StopAsyncIteration:
+                    first = b""
+                return self._commit_stream(worker, resp, first, chunks, on_done)
+            body = await resp.aread()  # an error answer is small: read it whole
+        except httpx.HTTPError as exc:
+            await _close(resp)
+            worker.load -= 1
+            return self._transport_failure(worker, exc)
+        except asyncio.CancelledError:
+            await _close(resp)
+            worker.load -= 1
+            worker.breaker.record_neutral()
+            raise
+        await _close(resp)
+        worker.load -= 1
+        answer = Response(body, resp.status_code, downstream_headers(resp.headers))
+        if resp.status_code in RETRYABLE_STATUS:
+            return self._status_failure(worker, resp.status_code, answer)
+        worker.breaker.record_success()
+        on_done(resp.status_code)
+        return answer
+
+    def _commit_stream(self, worker: Worker, resp: httpx.Response, first: bytes, chunks,
+                       on_done) -> Response:
+        """Pass the rest of an upstream stream through; the cleanup settles the accounts."""
+        tail = SSETail()
+        state = {"outcome": "cut"}  # finished | failed | cut (the client went away)
+
+        async def body():
+            tail.feed(first)
+            if first:
+                yield first
+            try:
+                async for chunk in chunks:
+                    tail.feed(chunk)
+                    yield chunk
+                state["outcome"] = "finished"
+            except httpx.HTTPError as exc:
+                state["outcome"] = "failed"
+                self.metrics.errors.labels(worker.url, "stream").inc()
+                error = {"error": {"message": f"worker {worker.url} failed mid-stream: "
+                                              f"{type(exc).__name__}", "code": 502}}
+                yield f"data: {json.dumps(error)}\n\n".encode()
+
+        async def cleanup():
+            await _close(resp)  # before the end of a stream, this aborts the upstream request
+            worker.load -= 1
+            outcome = state["outcome"]
+            if outcome == "finished":
+                worker.breaker.record_success()
+                worker.served += 1
+                self._record_usage(tail.last_json())
+            elif outcome == "failed":
+                worker.breaker.record_failure()
+            else:
+                worker.breaker.record_neutral()
+            on_done(200)
+
+        return UpstreamStream(body(), cleanup, status_code=200,
+                              headers=downstream_headers(resp.headers))

@@ -1,0 +1,25 @@
+"""When to retry and how long to wait: exponential backoff with jitter.
+
+A request is retried on a connection error, a timeout, or one of ``RETRYABLE_STATUS`` (the
+worker is overloaded, restarting or broken; another worker may well answer). Other statuses,
+4xx above all, are the client's problem and are passed back as they are.
+"""
+
+from __future__ import annotations
+
+import random
+
+from .config import RouterConfig
+
+RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+# Statuses that count against a worker's circuit breaker: it failed, not the request.
+# 408 and 429 are retried but say "busy", not "broken".
+BREAKER_STATUS = frozenset({500, 502, 503, 504})
+
+
+def backoff_delay(attempt: int, config: RouterConfig, rng: random.Random) -> float:
+    """Seconds to wait before retry number ``attempt`` (1-based):
+    initial * multiplier**(attempt-1), capped, then scaled by a factor in [1-jitter, 1+jitter]."""
+    base = config.retry_initial_backoff * config.retry_backoff_multiplier ** (attempt - 1)
+    base = min(base, config.retry_max_backoff)
+    return base * (1.0 + config.retry_jitter * (2.0 * rng.random() - 1.0))

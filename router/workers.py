@@ -1,0 +1,107 @@
+"""The worker registry: which workers exist, how loaded they are, and whether they may get traffic.
+
+A worker is available when it is healthy (health checks, or no connection failure since the last
+good check) and its circuit breaker lets a request through. Listeners registered with
+``on_down`` hear when a worker is removed or turns unhealthy, so the router can drop its tree
+entries (a restarted engine has an empty cache).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from .circuit import CircuitBreaker
+from .config import RouterConfig
+
+
+def normalize_url(url) -> str:
+    """'http://host:port' without trailing slash; ValueError naming the field ``url`` otherwise."""
+    if not isinstance(url, str) or not url.strip():
+        raise ValueError(f"url: must be a non-empty string, got {url!r}")
+    url = url.strip().rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"url: must look like http://host:port, got {url!r}")
+    return url
+
+
+@dataclass(eq=False)
+class Worker:
+    url: str
+    breaker: CircuitBreaker
+    source: str = "static"  # static | api | ray: discovery only removes what it added
+    load: int = 0  # requests in flight through this router
+    healthy: bool = True
+    health_failures: int = 0  # consecutive failed health checks
+    served: int = 0  # requests answered successfully (for load-spread figures)
+    tree_limit: int | None = None  # this worker's tree bound in chars, from its KV capacity
+    server_info_read: bool = False  # /get_server_info was asked once (answer or not)
+
+    def available(self) -> bool:
+        return self.healthy and self.breaker.allows()
+
+
+class WorkerRegistry:
+    def __init__(self, config: RouterConfig, clock=time.monotonic):
+        self.config = config
+        self.clock = clock
+        self._workers: dict[str, Worker] = {}
+        self._down_listeners = []  # callables(url) run when a worker is removed or turns unhealthy
+
+    def on_down(self, callback) -> None:
+        self._down_listeners.append(callback)
+
+    # ----------------------------------------------------------------------------------- reads
+    def get(self, url: str) -> Worker | None:
+        return self._workers.get(url)
+
+    def all(self) -> list[Worker]:
+        return list(self._workers.values())
+
+    def available(self) -> list[Worker]:
+        return [w for w in self._workers.values() if w.available()]
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def __contains__(self, url: str) -> bool:
+        return url in self._workers
+
+    # ---------------------------------------------------------------------------------- writes
+    def add(self, url: str, source: str = "static") -> Worker:
+        """Register a worker (healthy until a check says otherwise); adding a known url is a
+        no-op that returns the existing worker."""
+        url = normalize_url(url)
+        worker = self._workers.get(url)
+        if worker is None:
+            c = self.config
+            breaker = CircuitBreaker(c.breaker_failure_threshold, c.breaker_window,
+                                     c.breaker_cooldown, c.breaker_success_threshold, self.clock)
+            worker = Worker(url, breaker, source)
+            self._workers[url] = worker
+        return worker
+
+    def remove(self, url: str) -> Worker | None:
+        """Unregister a worker; in-flight requests to it finish, listeners forget its state."""
+        worker = self._workers.pop(normalize_url(url), None)
+        if worker is not None:
+            self._notify_down(worker.url)
+        return worker
+
+    def mark_healthy(self, worker: Worker) -> None:
+        worker.health_failures = 0
+        worker.healthy = True
+
+    def mark_unhealthy(self, worker: Worker) -> None:
+        """Stop sending traffic to ``worker`` until a health check passes; listeners drop its
+        tree entries."""
+        was_healthy = worker.healthy
+        worker.healthy = False
+        if was_healthy:
+            self._notify_down(worker.url)
+
+    def _notify_down(self, url: str) -> None:
+        for callback in self._down_listeners:
+            callback(url)

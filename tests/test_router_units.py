@@ -1,0 +1,270 @@
+"""Router building blocks without HTTP: breaker, backoff, admission, request parsing, SSE tail,
+token counts, worker registry and Ray discovery (with an injected lister, no Ray)."""
+
+import asyncio
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from radixray.router.admission import Admission, Rejected
+from radixray.router.circuit import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from radixray.router.config import RouterConfig
+from radixray.router.discovery import RayDiscovery
+from radixray.router.request import BadRequest, SSETail, request_text, routing_key, token_counts
+from radixray.router.retry import backoff_delay
+from radixray.router.workers import WorkerRegistry, normalize_url
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_router_imports_neither_torch_nor_other_radixray_folders():
+    code = ("import sys, radixray.router.app, radixray.router.cli, radixray.router.discovery; "
+            "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.') or m == 'ray' "
+            "or (m.startswith('radixray.') and not m.startswith('radixray.router'))]; "
+            "print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+class TestBreaker:
+    def test_opens_after_threshold_within_window_only(self):
+        clock = Clock()
+        b = CircuitBreaker(failure_threshold=3, window=10, cooldown=5, success_threshold=2,
+                           clock=clock)
+        b.record_failure()
+        clock.t += 11  # the first failure leaves the window
+        b.record_failure()
+        b.record_failure()
+        assert b.state == CLOSED and b.allows()
+        b.record_failure()
+        assert b.state == OPEN and not b.allows()
+
+    def test_half_opens_after_cooldown_admits_one_trial_then_closes(self):
+        clock = Clock()
+        b = CircuitBreaker(failure_threshold=1, window=10, cooldown=5, success_threshold=2,
+                           clock=clock)
+        b.record_failure()
+        clock.t += 4.9
+        assert b.state == OPEN
+        clock.t += 0.2
+        assert b.state == HALF_OPEN and b.allows()
+        b.on_send()
+        assert not b.allows()  # one trial at a time
+        b.record_success()
+        assert b.state == HALF_OPEN and b.allows()
+        b.on_send()
+        b.record_success()
+        assert b.state == CLOSED
+
+    def test_failed_trial_reopens(self):
+        clock = Clock()
+        b = CircuitBreaker(failure_threshold=1, window=10, cooldown=5, success_threshold=1,
+                           clock=clock)
+        b.record_failure()
+        clock.t += 5
+        b.on_send()
+        b.record_failure()
+        assert b.state == OPEN
+        clock.t += 4
+        assert b.state == OPEN
+        clock.t += 1
+        assert b.state == HALF_OPEN
+        b.on_send()
+        b.record_neutral()  # a trial that ended without a verdict frees the slot
+        assert b.allows()
+
+
+def test_backoff_grows_caps_and_jitters():
+    config = RouterConfig(retry_initial_backoff=0.1, retry_backoff_multiplier=2.0,
+                          retry_max_backoff=0.5, retry_jitter=0.2)
+    rng = random.Random(0)
+    for attempt, base in [(1, 0.1), (2, 0.2), (3, 0.4), (4, 0.5), (9, 0.5)]:
+        delays = [backoff_delay(attempt, config, rng) for _ in range(200)]
+        assert base * 0.8 - 1e-9 <= min(delays) < base * 0.9
+        assert base * 1.1 < max(delays) <= base * 1.2 + 1e-9
+
+
+def test_admission_queues_then_rejects():
+    async def scenario():
+        adm = Admission(max_concurrent=2, queue_size=1, queue_timeout=0.2)
+        await adm.acquire()
+        await adm.acquire()
+        waiter = asyncio.create_task(adm.acquire())
+        await asyncio.sleep(0.01)
+        assert adm.waiting == 1
+        with pytest.raises(Rejected, match="capacity"):
+            await adm.acquire()  # queue full
+        adm.release()
+        await asyncio.wait_for(waiter, 1)  # the queued request got the freed slot
+        assert adm.active == 2
+        with pytest.raises(Rejected, match="waited"):
+            await adm.acquire()  # queued, but nobody releases in time
+        assert adm.waiting == 0
+
+    asyncio.run(scenario())
+
+
+def test_admission_unlimited():
+    async def scenario():
+        adm = Admission(max_concurrent=0, queue_size=0, queue_timeout=1)
+        for _ in range(1000):
+            await adm.acquire()
+        assert adm.active == 1000
+
+    asyncio.run(scenario())
+
+
+class TestRequestText:
+    def test_sources(self):
+        assert request_text({"text": "hello"}) == "hello"
+        assert request_text({"text": ["first", "second"]}) == "first"
+        assert request_text({"prompt": "p"}) == "p"
+        assert request_text({"prompt": [1, 2]}) == "\x01\x02"
+        msgs = [{"role": "system", "content": "be nice"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"},
+                                             {"type": "image_url", "image_url": {}}]}]
+        assert request_text({"messages": msgs}) == "be nice\nhi"
+        assert request_text({"input_ids": [104, 105]}) == "hi"
+        assert request_text({"input_ids": [[104], [105]]}) == "h"
+        assert request_text({"sampling_params": {}}) == ""
+
+    @pytest.mark.parametrize("body,field", [
+        ({"text": 5}, "text"), ({"input_ids": [1, "x"]}, "input_ids"),
+        ({"input_ids": [-1]}, "input_ids"), ({"messages": "hi"}, "messages"),
+        ({"messages": [{"role": "user", "content": 3}]}, r"messages\[0\].content"),
+        ({"prompt": {"a": 1}}, "prompt"),
+    ])
+    def test_bad_fields_are_named(self, body, field):
+        with pytest.raises(BadRequest, match=f"^{field}"):
+            request_text(body)
+
+    def test_routing_key(self):
+        assert routing_key({"routing_key": "r"}, {"x-routing-key": "h"}) == "h"
+        assert routing_key({"routing_key": "r", "session_id": "s"}, {}) == "r"
+        assert routing_key({"session_id": 7}, {}) == "7"
+        assert routing_key({}, {}) is None
+        with pytest.raises(BadRequest, match="^session_id"):
+            routing_key({"session_id": [1]}, {})
+
+
+def test_token_counts_from_both_apis():
+    native = {"text": "x", "meta_info": {"prompt_tokens": 10, "cached_tokens": 7}}
+    openai = {"usage": {"prompt_tokens": 20, "prompt_tokens_details": {"cached_tokens": 5}}}
+    assert token_counts(native) == (7, 10)
+    assert token_counts(openai) == (5, 20)
+    assert token_counts({"usage": {"prompt_tokens": 4, "prompt_tokens_details": None}}) == (0, 4)
+    assert token_counts([native, native]) == (14, 20)
+    assert token_counts({"usage": None}) is None
+    assert token_counts("nope") is None
+
+
+@pytest.mark.parametrize("split", [1, 7, 1000])
+def test_sse_tail_finds_the_last_event_whatever_the_chunking(split):
+    events = [{"text": "a" * i, "meta_info": {"prompt_tokens": 9, "cached_tokens": i}}
+              for i in range(1, 6)]
+    stream = b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events) + b"data: [DONE]\n\n"
+    tail = SSETail()
+    for i in range(0, len(stream), split):
+        tail.feed(stream[i:i + split])
+    assert tail.last_json() == events[-1]
+    assert token_counts(tail.last_json()) == (5, 9)
+
+
+def test_normalize_url():
+    assert normalize_url(" http://h:1/ ") == "http://h:1"
+    for bad in ("", "h:1", "ftp://h", None, 3):
+        with pytest.raises(ValueError, match="^url"):
+            normalize_url(bad)
+
+
+def test_registry_down_listeners_fire_on_remove_and_on_turning_unhealthy():
+    registry = WorkerRegistry(RouterConfig())
+    down = []
+    registry.on_down(down.append)
+    a = registry.add("http://a:1")
+    assert registry.add("http://a:1/") is a
+    registry.add("http://b:1")
+    registry.mark_unhealthy(a)
+    registry.mark_unhealthy(a)  # no second notice
+    assert [w.url for w in registry.available()] == ["http://b:1"]
+    registry.mark_healthy(a)
+    assert len(registry.available()) == 2
+    registry.remove("http://b:1")
+    assert down == ["http://a:1", "http://b:1"]
+    assert registry.remove("http://zzz:1") is None
+
+
+def test_discovery_adds_and_removes_replicas():
+    registry = WorkerRegistry(RouterConfig())
+    registry.add("http://static:1")
+    actors = [{"name": "replica:0", "namespace": "radixray"},
+              {"name": "replica:1", "namespace": "radixray"},
+              {"name": "replica:2", "namespace": "other"},  # wrong namespace
+              {"name": "engine:0", "namespace": "radixray"},  # wrong prefix
+              {"name": "replica:static", "namespace": "radixray"}]
+    urls = {"replica:0": "http://r0:1", "replica:1": "http://r1:1",
+            "replica:static": "http://static:1"}
+    broken = set()
+
+    def url_of(name, namespace):
+        if name in broken:
+            raise RuntimeError("actor not ready")
+        return urls[name]
+
+    removed = []
+
+    def on_remove(url):
+        removed.append(url)
+        registry.remove(url)
+
+    disc = RayDiscovery(RouterConfig(), registry, on_remove, lister=lambda: list(actors),
+                        url_of=url_of)
+    added, gone = asyncio.run(disc.poll_once())
+    assert sorted(added) == ["http://r0:1", "http://r1:1"] and gone == []
+    assert {w.url: w.source for w in registry.all()} == {
+        "http://static:1": "static", "http://r0:1": "ray", "http://r1:1": "ray"}
+    assert disc.apply(disc.discover()) == ([], [])  # steady state
+    actors.pop(1)  # replica:1 died
+    urls["replica:0"] = "http://r0:2"  # replica:0 restarted elsewhere
+    actors.pop()  # the actor sharing the static worker's url left: static stays
+    added, gone = disc.apply(disc.discover())
+    assert added == ["http://r0:2"] and sorted(gone) == ["http://r0:1", "http://r1:1"]
+    assert sorted(w.url for w in registry.all()) == ["http://r0:2", "http://static:1"]
+    broken.add("replica:0")  # listed but not answering: kept, no flapping
+    assert disc.apply(disc.discover()) == ([], [])
+    actors.clear()
+    assert disc.apply(disc.discover()) == ([], ["http://r0:2"])
+    assert removed == ["http://r0:1", "http://r1:1", "http://r0:2"]
+    broken.clear()  # a replica first seen while not answering is added once it answers
+    actors.append({"name": "replica:9", "namespace": "radixray"})
+    urls["replica:9"] = "http://r9:1"
+    broken.add("replica:9")
+    assert disc.apply(disc.discover()) == ([], [])
+    broken.clear()
+    assert disc.apply(disc.discover()) == (["http://r9:1"], [])
+
+
+def test_sweep_drops_gone_and_unhealthy_workers_and_reasserts_bounds():
+    from radixray.router.app import Router
+
+    router = Router(RouterConfig(worker_urls=["http://a:1", "http://b:1", "http://c:1"],
+                                 max_tree_size=1000))
+    for url in ("http://a:1", "http://b:1", "http://c:1", "http://ghost:1"):
+        router.tree.insert(url * 20, url)
+    router.registry.get("http://b:1").healthy = False  # flag flipped without a notice
+    router.registry.get("http://c:1").tree_limit = 100  # capacity learned after the inserts
+    router.sweep()
+    assert sorted(router.tree.tenants()) == ["http://a:1", "http://c:1"]
+    assert router.tree.size("http://a:1") == 200
+    # the 193-char leaf went; the "http://" node shared with a stays
+    assert router.tree.size("http://c:1") == len("http://")
