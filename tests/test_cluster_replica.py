@@ -112,3 +112,45 @@ def test_two_replicas_serve_independently_and_register(ray_session, tiny_qwen2_p
         for a in actors:
             ray.get(a.shutdown.remote())
             ray.kill(a)
+
+
+def test_prometheus_scrapes_real_replica_and_router(tp2_replica, tmp_path):
+    """A real Prometheus server scrapes the running replica and a router in front of it."""
+    import shutil
+    import socket
+
+    import uvicorn
+
+    from radixray.router.app import build_app
+    from radixray.router.config import RouterConfig
+    from test_deploy_prometheus import scrape_and_query
+
+    if shutil.which("prometheus") is None:
+        pytest.skip("Debian's prometheus package is not installed")
+    _, url = tp2_replica
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(build_app(RouterConfig(port=port, worker_urls=(url,))),
+                                           host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.02)
+        router_url = f"http://127.0.0.1:{port}"
+        for _ in range(2):
+            _generate(router_url, PROMPTS[1], 4)
+        results = scrape_and_query(tmp_path, [url.split("//")[1], f"127.0.0.1:{port}"], [
+            'radixray:num_requests_total{replica="tp2"}',
+            "radixray:prompt_tokens_total",
+            'radixray_router:requests_total{route="/generate"}',
+        ])
+        served = float(results['radixray:num_requests_total{replica="tp2"}'][0]["value"][1])
+        assert served >= 2
+        routed = sum(float(r["value"][1])
+                     for r in results['radixray_router:requests_total{route="/generate"}'])
+        assert routed >= 2
+    finally:
+        server.should_exit = True
+        thread.join(10)
