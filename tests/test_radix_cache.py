@@ -1,5 +1,7 @@
 """RadixCache: property tests against a naive reference, plus the contracts other code relies on."""
 
+import heapq
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -97,11 +99,31 @@ class CacheMachine(RuleBasedStateMachine):
             out += slots
         return out
 
+    def expected_evictions(self, n):
+        """Slots evict(n) should free: the policy's order over a heap of unlocked leaves rebuilt
+        from scratch (the cache keeps its heap across calls; this checks it stays exact)."""
+        score, root = POLICIES[self.cache.eviction_policy], self.cache.root
+        heap = [(score(x), x.id, x) for x in all_nodes(self.cache)[1:]
+                if not x.children and x.lock_ref == 0]
+        heapq.heapify(heap)
+        gone, slots = set(), []
+        while len(slots) < n and heap:
+            _, _, node = heapq.heappop(heap)
+            gone.add(node)
+            slots += node.value.tolist()
+            parent = node.parent
+            orphaned = set(parent.children.values()) <= gone
+            if parent is not root and parent.lock_ref == 0 and orphaned:
+                heapq.heappush(heap, (score(parent), parent.id, parent))
+        return set(slots)
+
     def evict(self, n):
         before, protected = self.cache.evictable_size(), self.cache.protected_size()
+        expected = self.expected_evictions(n)
         self.alloc.freed_log.clear()
         got = self.cache.evict(n)
         freed = set(self.alloc.freed_log)
+        assert freed == expected, "evicted in a different order than the policy's"
         assert got == len(self.alloc.freed_log) == len(freed)
         assert got >= n if before >= n else got == before
         assert self.cache.protected_size() == protected
@@ -119,7 +141,10 @@ class CacheMachine(RuleBasedStateMachine):
           is_chunk=st.booleans())
     def insert(self, tokens, extra, reuse, is_chunk):
         key = RadixKey(tokens, extra)
-        prefix, node = self.cache.match_prefix(key) if reuse else (torch.empty(0, dtype=torch.int64), self.cache.root)
+        if reuse:  # the request computes only what the cache lacks
+            prefix, node = self.cache.match_prefix(key)
+        else:  # it computed everything (e.g. matched before another request inserted)
+            prefix, node = torch.empty(0, dtype=torch.int64), self.cache.root
         self.cache.inc_lock_ref(node)  # as a request does while it allocates
         need = len(tokens) - len(prefix)
         fresh = self.alloc.alloc(need)
@@ -192,7 +217,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert cache.evictable_size() + cache.protected_size() == cache.total_size() == len(slots)
         locked = {(e, tuple(t[:i])) for _, e, t in self.locks for i in range(p, len(t) + 1, p)}
         assert cache.protected_size() == len(locked) * p
-        assert leaves == cache._evictable_leaves
+        assert leaves == cache._evictable.leaves
         if self.real_allocator:
             assert self.alloc.available_size() + len(self.alloc.live_pages) * p == 48 * p
 
