@@ -1,0 +1,178 @@
+"""The offline Engine on the tiny Llama: greedy outputs equal HF transformers under every
+policy, with chunked prefill, mixed chunk and retraction, plus the client-facing contract
+(cache hits, stop strings, logprobs, argument errors). Every test ends with the memory
+invariant and nothing locked."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hf_reference import hf_greedy, hf_logits
+from radixray.cluster.engine import Engine
+from radixray.scheduler.config import SCHEDULE_POLICIES
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def assert_clean(engine):
+    s = engine.scheduler
+    s.check_invariant()
+    assert not s.has_work and s.cache.tree.protected_size() == 0
+    assert s.cache.available_size() + s.cache.tree.total_size() == s.cache.pool_size
+
+
+@pytest.fixture(scope="module")
+def workload(tiny_llama_path):
+    """Three groups sharing a 40-token system prompt, questions of 3-20 tokens, with their
+    HF greedy continuations."""
+    rng = random.Random(0)
+    prompts, lens = [], []
+    for _ in range(3):
+        system = [rng.randrange(5, 2048) for _ in range(40)]
+        for _ in range(4):
+            prompts.append(system + [rng.randrange(5, 2048) for _ in range(rng.randint(3, 20))])
+            lens.append(rng.randint(4, 12))
+    order = list(range(len(prompts)))
+    rng.shuffle(order)
+    prompts, lens = [prompts[i] for i in order], [lens[i] for i in order]
+    return prompts, lens, [hf_greedy(tiny_llama_path, p, n) for p, n in zip(prompts, lens)]
+
+
+def run_workload(engine, workload):
+    prompts, lens, expected = workload
+    outs = engine.generate(input_ids=prompts,
+                           sampling_params=[{"max_new_tokens": n, **GREEDY} for n in lens])
+    for out, want, n in zip(outs, expected, lens):
+        assert out["output_ids"] == want
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": n}
+    assert_clean(engine)
+    return outs
+
+
+@pytest.mark.parametrize("policy", SCHEDULE_POLICIES)
+def test_greedy_equals_hf_under_every_policy(tiny_llama_path, workload, policy):
+    with Engine(tiny_llama_path, schedule_policy=policy, max_total_tokens=4096,
+                debug_invariants=True) as engine:
+        outs = run_workload(engine, workload)
+        assert sum(o["meta_info"]["cached_tokens"] for o in outs) > 0  # prefixes were shared
+
+
+@pytest.mark.parametrize("mixed,page", [(False, 1), (True, 1), (True, 4)])
+def test_greedy_equals_hf_with_chunked_prefill(tiny_llama_path, workload, mixed, page):
+    with Engine(tiny_llama_path, chunked_prefill_size=16, enable_mixed_chunk=mixed,
+                page_size=page, max_total_tokens=4096, debug_invariants=True) as engine:
+        run_workload(engine, workload)
+        assert (engine.scheduler.stats.num_mixed_batches > 0) == mixed
+
+
+def test_greedy_equals_hf_through_retraction(tiny_llama_path, workload):
+    prompts, _, _ = workload
+    lens = [24] * len(prompts)
+    expected = [hf_greedy(tiny_llama_path, p, 24) for p in prompts]
+    with Engine(tiny_llama_path, max_total_tokens=160, chunked_prefill_size=32,
+                debug_invariants=True) as engine:
+        run_workload(engine, (prompts, lens, expected))
+        assert engine.scheduler.stats.num_retracted > 0
+
+
+@pytest.fixture(scope="module")
+def long_context_llama_path(tmp_path_factory):
+    from conftest import TINY
+    from radixray.worker.make_model import make_model
+
+    return make_model(str(tmp_path_factory.mktemp("tiny-llama-12k")), arch="llama",
+                      **{**TINY, "max_position": 12288})
+
+
+def test_cache_hit_contract(long_context_llama_path):
+    """SGLang's end-to-end test, with token ids taken mod 2000 to fit the tiny vocabulary."""
+    with Engine(long_context_llama_path, max_total_tokens=24000,
+                chunked_prefill_size=2048) as engine:
+
+        def cached(n):
+            out = engine.generate(input_ids=[i % 2000 for i in range(n)],
+                                  sampling_params={"max_new_tokens": 1, **GREEDY})
+            return out["meta_info"]["cached_tokens"]
+
+        assert engine.flush_cache()
+        assert [cached(100), cached(10000), cached(10000), cached(1000), cached(11000)] == \
+            [0, 100, 9999, 999, 10000]
+        assert_clean(engine)
+
+
+def test_stop_strings_on_text(tiny_llama_path):
+    prompt = "def main(args):\n    return"
+    with Engine(tiny_llama_path, max_total_tokens=2048) as engine:
+        free = engine.generate(prompt=prompt, sampling_params={"max_new_tokens": 24, **GREEDY})
+        text, ids = free["text"], free["output_ids"]
+        # A stop string that ends in the middle of the 6th token's text at the earliest.
+        upto = engine.tokenizer.decode(ids[:6])
+        stop = upto[-3:] if len(upto) >= 3 else upto
+        cut = text.find(stop)
+        out = engine.generate(prompt=prompt, sampling_params={"max_new_tokens": 24,
+                                                              "stop": stop, **GREEDY})
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        assert out["text"] == text[:cut]
+        assert out["output_ids"] == ids[: len(out["output_ids"])]
+        kept = engine.generate(prompt=prompt, sampling_params={
+            "max_new_tokens": 24, "stop": [stop], "no_stop_trim": True, **GREEDY})
+        assert kept["text"].startswith(text[:cut] + stop)
+        assert_clean(engine)
+
+
+def test_logprobs_match_hf(tiny_llama_path):
+    prompt = [random.Random(1).randrange(5, 2048) for _ in range(30)]
+    with Engine(tiny_llama_path, max_total_tokens=2048) as engine:
+        out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 3, **GREEDY},
+                              return_logprob=True, logprob_start_len=10, top_logprobs_num=2)
+        meta = out["meta_info"]
+        ref = torch.log_softmax(hf_logits(tiny_llama_path, prompt + out["output_ids"]), -1)
+        inputs = meta["input_token_logprobs"]
+        assert len(inputs) == 20 and inputs[0] == [None, prompt[10], None]
+        for k, (lp, tok, text) in enumerate(inputs[1:], start=11):
+            assert tok == prompt[k] and text is None
+            assert lp == pytest.approx(float(ref[k - 1, tok]), abs=2e-4)
+        for j, (lp, tok, _) in enumerate(meta["output_token_logprobs"]):
+            assert lp == pytest.approx(float(ref[len(prompt) - 1 + j, tok]), abs=2e-4)
+        assert [len(t) for t in meta["output_top_logprobs"]] == [2, 2, 2]
+        # max_new_tokens 0: only fills the cache, still returns input logprobs
+        fill = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 0},
+                               return_logprob=True, logprob_start_len=28,
+                               return_text_in_logprobs=True)
+        assert fill["output_ids"] == [] and fill["meta_info"]["completion_tokens"] == 0
+        assert len(fill["meta_info"]["input_token_logprobs"]) == 2
+        assert isinstance(fill["meta_info"]["input_token_logprobs"][1][2], str)
+        assert_clean(engine)
+
+
+def test_batch_shapes_n_and_ids(tiny_llama_path):
+    with Engine(tiny_llama_path, max_total_tokens=2048) as engine:
+        long = "import os\nimport sys\n" * 12  # > 32 tokens: the second copy waits and hits
+        outs = engine.generate(prompt=["a b c", long], rid=["first", "second"],
+                               sampling_params=[{"max_new_tokens": 2, **GREEDY},
+                                                {"max_new_tokens": 3, "n": 2, **GREEDY}])
+        assert [o["meta_info"]["id"] for o in outs] == ["first", "second-0", "second-1"]
+        assert [o["meta_info"]["completion_tokens"] for o in outs] == [2, 3, 3]
+        assert outs[1]["output_ids"] == outs[2]["output_ids"]
+        assert outs[2]["meta_info"]["cached_tokens"] > 0  # the copies share the prompt
+        assert_clean(engine)
+
+
+def test_server_argument_errors_name_the_argument(tiny_llama_path):
+    with pytest.raises(ValueError, match="^schedule_polcy: unknown server argument"):
+        Engine(tiny_llama_path, schedule_polcy="lpm")
+    with pytest.raises(ValueError, match="^schedule_policy: "):
+        Engine(tiny_llama_path, schedule_policy="sjf")
+    with pytest.raises(ValueError, match="^chunked_prefill_size: "):
+        Engine(tiny_llama_path, chunked_prefill_size=0)
+    with Engine(tiny_llama_path, max_total_tokens=512) as engine:
+        with pytest.raises(ValueError, match="^temperature: "):
+            engine.generate(input_ids=[1, 2, 3], sampling_params={"temperature": -1})
+        with pytest.raises(ValueError, match="^input_ids: "):
+            engine.generate(input_ids=list(range(600)))
+        with pytest.raises(ValueError, match="^prompt: "):
+            engine.generate()
+        assert_clean(engine)

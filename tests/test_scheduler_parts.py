@@ -1,0 +1,230 @@
+"""Unit tests of the scheduler's small parts: config, token ratio, prefill budgets, policies,
+in-batch sharing, stop checks and the request record."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixray.scheduler.cache_manager import CacheManager
+from radixray.scheduler.config import SchedulerConfig
+from radixray.scheduler.policy import DfsWeightPolicy, InBatchPrefixSharing, QueueView
+from radixray.scheduler.prefill_adder import AddResult, PrefillAdder
+from radixray.scheduler.request import FinishReason, Req
+from radixray.scheduler.stop import StopChecker, visible_output_ids
+from radixray.scheduler.token_ratio import NewTokenRatio
+from radixray.worker.sampling_params import SamplingParams
+
+
+def req(rid, prompt, max_new=8, **kw):
+    params = {k: kw.pop(k) for k in list(kw) if k in SamplingParams.__dataclass_fields__}
+    return Req(rid, prompt, SamplingParams(max_new_tokens=max_new, **params), **kw)
+
+
+# ---------------------------------------------------------------- config and request
+@pytest.mark.parametrize("name,value", [
+    ("schedule_policy", "shortest"), ("schedule_conservativeness", 0),
+    ("chunked_prefill_size", 0), ("max_prefill_tokens", -5), ("max_total_tokens", 0),
+    ("max_running_requests", 1.5), ("page_size", 0), ("radix_eviction_policy", "lifo"),
+    ("disable_radix_cache", "yes"), ("enable_mixed_chunk", 1),
+])
+def test_config_errors_name_the_argument(name, value):
+    with pytest.raises(ValueError, match=f"^{name}: "):
+        SchedulerConfig(**{name: value})
+
+
+def test_config_chunk_size():
+    assert SchedulerConfig().chunk_size == 2048
+    assert SchedulerConfig(chunked_prefill_size=-1).chunk_size is None
+    assert SchedulerConfig(chunked_prefill_size=None).chunk_size is None
+
+
+def test_request_validation_names_fields():
+    with pytest.raises(ValueError, match="^input_ids: "):
+        Req("a", [])
+    with pytest.raises(ValueError, match="^input_ids: "):
+        Req("a", [1, -2])
+    with pytest.raises(ValueError, match="^logprob_start_len: "):
+        Req("a", [1, 2], return_logprob=True, logprob_start_len=2)
+    with pytest.raises(ValueError, match="^rid: "):
+        Req("", [1])
+
+
+def test_finish_reason_wire_forms():
+    assert FinishReason.stop(7).to_dict() == {"type": "stop", "matched": 7}
+    assert FinishReason.stop("\n\n").to_dict() == {"type": "stop", "matched": "\n\n"}
+    assert FinishReason.of_length(5).to_dict() == {"type": "length", "length": 5}
+    assert FinishReason.abort("gone").to_dict() == {"type": "abort", "message": "gone"}
+
+
+def test_request_length_vocabulary():
+    r = req("a", [1, 2, 3, 4], return_logprob=True, logprob_start_len=1)
+    r.output_ids += [5, 6]
+    assert r.total_len == 6 and r.tokens(2, 5) == [3, 4, 5] and r.tokens(4, 6) == [5, 6]
+    assert r.max_prefix_len() == 1  # input logprobs from position 1 still owed
+    r.input_logprobs_pending = False
+    assert r.max_prefix_len() == 5  # the last token is always recomputed
+
+
+# ---------------------------------------------------------------- token ratio
+def test_new_token_ratio_decays_linearly_and_jumps_after_retraction():
+    ratio = NewTokenRatio(conservativeness=1.0)
+    assert ratio.value == pytest.approx(0.7)
+    for _ in range(300):
+        ratio.on_decode_step()
+    assert ratio.value == pytest.approx((0.7 + 0.14) / 2)
+    for _ in range(1000):
+        ratio.on_decode_step()
+    assert ratio.value == pytest.approx(0.14)
+    running = [req("a", [1], 100), req("b", [1], 300)]
+    running[0].output_ids += [0] * 30
+    ratio.on_retract(running)
+    assert ratio.value == pytest.approx((30 + 20 * 2) / (400 + 1))
+    ratio.on_retract([req("c", [1], 10)])
+    assert ratio.value == 1.0  # capped
+    ratio.on_idle()
+    assert ratio.value == pytest.approx(0.7)
+    assert NewTokenRatio(2.0).value == pytest.approx(1.4) and NewTokenRatio(2.0).min == 0.28
+
+
+# ---------------------------------------------------------------- prefill adder
+def cache_with(pool, cached_tokens=()):
+    cache = CacheManager(pool, max_running_requests=8, max_context_len=512)
+    if cached_tokens:  # cache a sequence as a finished request would
+        warm = req("warm", list(cached_tokens) + [0], 1)
+        cache.match(warm)
+        cache.lock(warm)
+        cache.assign_row(warm)
+        warm.extend_len = len(cached_tokens)
+        cache.alloc_extend([warm])
+        warm.cached_len, warm.extend_len = len(cached_tokens), 0
+        cache.cache_finished(warm)
+    return cache
+
+
+def test_rem_total_counts_free_evictable_and_running_reservations():
+    cache = cache_with(1000, range(60))
+    running = [req("r1", [1], 100), req("r2", [1], 5000)]  # 5000 is clipped to 4096
+    adder = PrefillAdder(cache, running, new_token_ratio=0.5, chunk_size=None,
+                         max_prefill_tokens=16384)
+    assert cache.available_size() == 940 and cache.evictable_size() == 60
+    assert adder.rem_total_tokens == pytest.approx(1000 - 0.5 * (100 + 4096))
+
+
+def test_locking_the_matched_prefix_is_rechecked():
+    cache = cache_with(100, range(60))  # 60 cached (evictable) + 40 free
+    someone = [req("run", [1], 1)]
+    adder = PrefillAdder(cache, someone, new_token_ratio=0.0, chunk_size=None,
+                         max_prefill_tokens=1000)
+    big = req("big", list(range(60)) + [7] * 36, 8)  # 36 new + 8 reserved = 44: fits only if
+    cache.match(big)                                 # the 60 cached still count as free
+    assert big.tree_len == 60
+    assert adder.add_one_req(big) is AddResult.NO_TOKEN
+    assert cache.tree.protected_size() == 0 and not adder.can_run  # lock given back
+    small = req("small", list(range(60)) + [7] * 25, 8)  # 25 + 8 = 33 < 40
+    cache.match(small)
+    assert adder.add_one_req(small) is AddResult.CONTINUE
+    assert adder.can_run == [small] and small.extend_len == 25
+    assert cache.tree.protected_size() == 60
+
+
+def test_chunk_budget_cuts_a_long_prompt_and_it_continues():
+    cache = cache_with(4096)
+    adder = PrefillAdder(cache, [], 0.7, chunk_size=100, max_prefill_tokens=16384)
+    long = req("long", list(range(250)), 4)
+    cache.match(long)
+    assert adder.add_one_req(long) is AddResult.OTHER  # the chunk budget is used up
+    assert long.extend_len == 100 and adder.new_chunked_req is long
+    cache.assign_row(long)
+    long.cached_len, long.extend_len = 100, 0  # as if the chunk ran
+    nxt = PrefillAdder(cache, [], 0.7, chunk_size=100, max_prefill_tokens=16384,
+                       has_chunked_req=True)
+    assert nxt.add_chunked_req(long) is long and long.extend_len == 100
+    long.cached_len, long.extend_len = 200, 0
+    last = PrefillAdder(cache, [], 0.7, chunk_size=100, max_prefill_tokens=16384,
+                        has_chunked_req=True)
+    assert last.add_chunked_req(long) is None and long.extend_len == 50
+
+
+def test_max_prefill_tokens_lets_only_the_first_request_exceed_it():
+    cache = cache_with(4096)
+    adder = PrefillAdder(cache, [], 0.7, chunk_size=None, max_prefill_tokens=50)
+    a, b = req("a", list(range(80)), 4), req("b", list(range(100, 110)), 4)
+    for r in (a, b):
+        cache.match(r)
+    assert adder.add_one_req(a) is AddResult.OTHER and adder.can_run == [a]
+    assert adder.add_one_req(b) is AddResult.OTHER and adder.can_run == [a]
+
+
+# ---------------------------------------------------------------- policies
+def test_in_batch_sharing_holds_back_only_cache_misses_that_share_enough():
+    sharing = InBatchPrefixSharing()
+    base = list(range(100))
+    first, twin = req("1", base + [1], 4), req("2", base + [2], 4)
+    short = req("3", base[:20] + [9] * 40, 4)
+    salted = req("4", base + [3], 4, extra_key="other")
+    assert not sharing.hold_back(first)
+    assert sharing.hold_back(twin)
+    assert not sharing.hold_back(short)  # shares only 20 tokens
+    assert not sharing.hold_back(salted)  # another extra_key never shares
+    hit = req("5", base[:60] + [4] * 10, 4)
+    hit.prefix_indices = torch.arange(40)  # a 40-token cache hit; sharing saves only 20 more
+    assert not sharing.hold_back(hit)
+    more = req("6", base + [5], 4)
+    more.prefix_indices = torch.arange(40)  # sharing saves 60 more than the cache hit
+    assert sharing.hold_back(more)
+
+
+def test_in_batch_sharing_counts_the_request_mid_chunk():
+    sharing = InBatchPrefixSharing()
+    base = list(range(300))
+    sharing.add(req("chunked", base + [1], 4))
+    later = req("later", base + [2], 4)
+    later.prefix_indices = torch.arange(128)  # only the chunks done so far are cached
+    assert sharing.hold_back(later)
+
+
+def test_dfs_weight_groups_requests_by_shared_prefix_heaviest_first():
+    cache = cache_with(4096, [1] * 40 + [2] * 40)
+    for tokens in ([1] * 40 + [3] * 40, [5] * 40):
+        w = req("w", tokens + [0], 1)
+        cache.match(w)
+        cache.lock(w)
+        cache.assign_row(w)
+        w.extend_len = len(tokens) - w.tree_len
+        cache.alloc_extend([w])
+        w.cached_len, w.extend_len = len(tokens), 0
+        cache.cache_finished(w)
+    a = [req(f"a{i}", [1] * 40 + [2] * 40 + [i + 10] * 5, 2) for i in range(3)]
+    b = [req(f"b{i}", [1] * 40 + [3] * 40 + [i + 10] * 5, 2) for i in range(2)]
+    c = [req("c0", [5] * 40 + [9] * 5, 2)]
+    waiting = [c[0], b[0], a[0], b[1], a[1], a[2]]
+    DfsWeightPolicy().order(waiting, QueueView(cache, []))
+    assert [r.rid for r in waiting] == ["a0", "a1", "a2", "b0", "b1", "c0"]
+
+
+# ---------------------------------------------------------------- stop checks
+def test_stop_checker_order_and_limits():
+    checker = StopChecker(eos_token_ids=[9], decode=None, max_context_len=10)
+    r = req("a", [1, 2, 3], 3)
+    r.output_ids += [4, 5, 9]
+    assert checker.check(r) == FinishReason.of_length(3)  # length wins over EOS, as SGLang
+    r = req("b", [1, 2, 3], 10)
+    r.output_ids += [4, 9]
+    assert checker.check(r) == FinishReason.stop(9)
+    r = req("c", [1, 2, 3], 10, min_new_tokens=3)
+    r.output_ids += [4, 9]
+    assert checker.check(r) is None
+    r = req("d", [1] * 8, 10)
+    r.output_ids += [4, 5]
+    assert checker.check(r) == FinishReason.of_length(2)  # hit the context length
+    with pytest.raises(ValueError, match="^stop: "):
+        r = req("e", [1], 10, stop=["x"])
+        r.output_ids.append(3)
+        checker.check(r)
+
+
+def test_visible_output_ids_drop_a_matched_stop_token():
+    assert visible_output_ids([1, 2, 9], FinishReason.stop(9), False) == [1, 2]
+    assert visible_output_ids([1, 2, 9], FinishReason.stop(9), True) == [1, 2, 9]
+    assert visible_output_ids([1, 2], FinishReason.of_length(2), False) == [1, 2]
