@@ -26,7 +26,7 @@ from ..worker.sampling_params import SamplingParams
 RUNNER_ARGS = {
     "dtype": "auto",
     "device": "cpu",
-    "attention_backend": "torch_native",
+    "attention_backend": "auto",  # flashinfer, else triton, on CUDA; torch_native elsewhere
     "context_length": None,  # default: the model's max_position_embeddings
     "mem_fraction_static": 0.85,
     "load_format": "safetensors",

@@ -28,6 +28,7 @@ _SCHEDULER_FLAGS = {
     "radix_eviction_policy": (str, "which cached prefixes go first when memory runs short"),
     "disable_radix_cache": (bool, "no prefix sharing at all"),
     "enable_mixed_chunk": (bool, "running decodes ride along with prefill batches"),
+    "disable_overlap_schedule": (bool, "wait for each batch's tokens before building the next"),
     "debug_invariants": (bool, "check the KV memory invariant after every step (slow)"),
     "random_seed": (int, "seed for sampling and the random queue policy"),
 }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from datetime import timedelta
 
 import torch
@@ -32,6 +33,7 @@ class TPWorker:
         self.rank, self.tp_size = rank, tp_size
         self.runner_cfg = runner_cfg
         self.runner: ModelRunner | None = None
+        self._turn, self._next_seq = threading.Condition(), 0  # see forward
         threads = os.environ.get("RADIXRAY_TORCH_THREADS")
         if threads:
             torch.set_num_threads(int(threads))
@@ -61,11 +63,23 @@ class TPWorker:
                 "max_context_len": self.runner.max_context_len,
                 "vocab_size": mc.vocab_size, "eos_token_ids": list(mc.eos_token_ids)}
 
-    def forward(self, batch: ForwardBatch) -> ForwardOutput:
-        """Rank 0 only: share the batch with the peers, then run it."""
-        if self.tp_size > 1:
-            dist.broadcast_object_list([batch], src=0)
-        return self.runner.forward(batch)
+    def forward(self, batch: ForwardBatch, seq: int) -> ForwardOutput:
+        """Rank 0 only: share batch number ``seq`` with the peers, then run it.
+
+        The actor is threaded (control calls must get through while a peer sits in ``follow``),
+        and Ray does not keep a threaded actor's calls in order; under overlap scheduling two
+        batches are in flight and the second reads the first's sampled tokens, so each call
+        waits for its turn."""
+        with self._turn:
+            self._turn.wait_for(lambda: self._next_seq == seq)
+        try:
+            if self.tp_size > 1:
+                dist.broadcast_object_list([batch], src=0)
+            return self.runner.forward(batch)
+        finally:
+            with self._turn:
+                self._next_seq += 1
+                self._turn.notify_all()
 
     def follow(self) -> int:
         """Peers only: run every broadcast batch until told to stop. Returns steps run."""

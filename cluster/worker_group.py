@@ -37,6 +37,7 @@ class WorkerGroup:
         self.pg = placement_group([dict(bundle) for _ in range(tp_size)], strategy="STRICT_PACK")
         self.workers: list = []
         self.follow_refs: list = []
+        self._seq = 0  # batches submitted so far
         try:
             ray.get(self.pg.ready(), timeout=start_timeout_s)
             actor_cls = ray.remote(TPWorker)
@@ -46,7 +47,7 @@ class WorkerGroup:
                 cfg = dataclasses.replace(runner_cfg, tp_rank=rank, tp_size=tp_size)
                 self.workers.append(actor_cls.options(
                     num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                    scheduling_strategy=strategy, max_concurrency=2).remote(rank, tp_size, cfg))
+                    scheduling_strategy=strategy, max_concurrency=4).remote(rank, tp_size, cfg))
             addr = ray.get(self.workers[0].node_address.remote(), timeout=start_timeout_s)
             port = ray.get(self.workers[0].pick_port.remote(), timeout=start_timeout_s)
             infos = ray.get([w.init.remote(addr, port) for w in self.workers],
@@ -61,7 +62,9 @@ class WorkerGroup:
         self.follow_refs = [w.follow.remote() for w in self.workers[1:]]
 
     def submit(self, batch: ForwardBatch):
-        return self.workers[0].forward.remote(batch)
+        """Send a batch to rank 0 and return at once; batches run in submission order."""
+        self._seq += 1
+        return self.workers[0].forward.remote(batch, self._seq - 1)
 
     def result(self, handle) -> ForwardOutput:
         try:

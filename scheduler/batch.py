@@ -36,6 +36,10 @@ class ScheduleBatch:
     # Per prefill request: where its input logprobs start in this step's extend tokens
     # (-1: none); process_output needs the same numbers the worker got.
     input_logprob_starts: list[int]
+    # Per request, cached_len before and after this step (set by Scheduler.advance when the
+    # batch is submitted; results may be processed a step later, under overlap scheduling).
+    start_lens: list[int] | None = None
+    seq_lens: list[int] | None = None
 
     @property
     def reqs(self) -> list[Req]:
@@ -73,12 +77,14 @@ def _input_logprob_start(req: Req) -> int:
 
 
 def decode_input_ids(decode: list[Req]) -> list[int]:
-    """The token each decode request feeds: its newest output token.
+    """The token each decode request feeds: the one at position ``cached_len``.
 
-    Overlap scheduling will replace an id not known yet (batch N still running when batch N+1
-    is built) by a future reference: ``-(req_pool_idx + 1)``, resolved by the worker from its
-    per-row buffer of sampled tokens. This function is that seam."""
-    return [r.output_ids[-1] for r in decode]
+    Under overlap scheduling that token may not be known yet (batch N, which samples it, is
+    still running while batch N+1 is built): then the id is a future reference ``-row``
+    (``req_pool_idx`` >= 1), which the worker resolves from its per-row buffer of the tokens
+    it sampled last."""
+    return [r.tokens(r.cached_len, r.cached_len + 1)[0] if r.cached_len < r.total_len
+            else -r.req_pool_idx for r in decode]
 
 
 def _forward_batch(prefill: list[Req], decode: list[Req], cache: CacheManager,
@@ -118,7 +124,10 @@ def _forward_batch(prefill: list[Req], decode: list[Req], cache: CacheManager,
         sampling_params=params,
         penalty_history=[(r.origin_input_ids, r.output_ids) if p.has_penalties else None
                          for r, p in zip(reqs, params)],
-        output_lens=torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64),
+        # tokens generated before this step; counted from lengths, since under overlap the
+        # newest one may still be on its way back
+        output_lens=torch.tensor([max(r.seq_len - r.prompt_len, 0) for r in reqs],
+                                 dtype=torch.int64),
         return_logprob=(torch.tensor([r.return_logprob for r in reqs]) if any_logprob
                         else None),
         top_logprobs_num=(torch.tensor([r.top_logprobs_num for r in reqs]) if any_logprob

@@ -152,8 +152,8 @@ class CacheManager:
         When the tree already had some of these tokens (another request computed them in the
         meantime), the row changes under the worker's mirror of it; ``req.resend_prefix`` makes
         the next batch carry the whole prefix again."""
-        n = req.cached_len
-        slots, key = self._slots(req), self.key(req, n)
+        n = req.known_cached_len
+        slots, key = self._slots(req)[:n], self.key(req, n)
         already = self.tree.insert(key, slots, is_chunk=True)
         if already > req.tree_len:
             self.allocator.free(slots[req.tree_len : already])
@@ -170,10 +170,10 @@ class CacheManager:
 
         Mutates: tree, allocator, row pool; resets ``req``'s KV state. With the cache disabled
         the tree frees the slots instead of keeping them."""
-        n = req.cached_len
-        slots = self._slots(req)
+        n = req.known_cached_len
+        slots = self._slots(req)  # may run past n: those slots are ours and freed below
         aligned = n - n % self.page_size
-        already = self.tree.insert(self.key(req, n), slots)
+        already = self.tree.insert(self.key(req, n), slots[:n])
         self.allocator.free(slots[req.tree_len : already])
         self.allocator.free(slots[aligned:])
         self._drop(req)

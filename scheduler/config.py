@@ -32,6 +32,8 @@ class SchedulerConfig:
     enable_mixed_chunk: bool = False
     # Check the memory invariant after every step (slow; for tests and debugging).
     debug_invariants: bool = False
+    # Overlap scheduling: build and submit batch N+1 while batch N runs (see scheduler.py).
+    disable_overlap_schedule: bool = False
     random_seed: int = 0  # for the `random` queue policy
 
     def __post_init__(self):
@@ -61,7 +63,8 @@ class SchedulerConfig:
                   "must be a positive integer")
         check(self.radix_eviction_policy in EVICTION_POLICIES, "radix_eviction_policy",
               f"must be one of {', '.join(EVICTION_POLICIES)}")
-        for name in ("disable_radix_cache", "enable_mixed_chunk", "debug_invariants"):
+        for name in ("disable_radix_cache", "enable_mixed_chunk", "debug_invariants",
+                     "disable_overlap_schedule"):
             check(isinstance(getattr(self, name), bool), name, "must be true or false")
         check(is_int(self.random_seed), "random_seed", "must be an integer")
 

@@ -125,6 +125,13 @@ class Req:
         return len(self.origin_input_ids) + len(self.output_ids)
 
     @property
+    def known_cached_len(self) -> int:
+        """Cached tokens whose ids are known here. Under overlap scheduling ``cached_len`` can
+        run one past ``total_len``: a step was submitted whose input token is still on its way
+        back (or never comes, for a request that finished meanwhile)."""
+        return min(self.cached_len, self.total_len)
+
+    @property
     def seq_len(self) -> int:
         return self.cached_len + self.extend_len
 

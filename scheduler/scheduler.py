@@ -11,8 +11,14 @@ One ``step()`` is one forward pass:
 3. ``process_output(batch, output)``: append tokens, check stops, hand finished requests' KV
    to the radix tree, and emit one ``RequestOutput`` per request that got a token or finished.
 
-``schedule`` and ``process_output`` are separate so overlap scheduling can submit batch N+1
-before batch N's tokens are back (see ``batch.decode_input_ids`` for the seam).
+Overlap scheduling (on unless ``disable_overlap_schedule``, when the runner has
+``submit``/``result``): ``advance`` moves every request's lengths on as soon as its batch is
+submitted, so batch N+1 can be built and submitted while batch N still runs; its decode inputs
+whose tokens N has not returned yet are future references (``batch.decode_input_ids``) that the
+worker resolves. N's results are processed while N+1 runs. A request N finishes has one wasted
+step in N+1, which is skipped when its results come. Only decode-only successors overlap: a
+prefill, a retraction, penalties (they need the newest token) or an empty batch first wait for
+the batch in flight.
 """
 
 from __future__ import annotations
@@ -71,6 +77,9 @@ class Scheduler:
         self.live: dict[str, Req] = {}  # every unfinished request by rid
         self.stats = SchedulerStats()
         self._outputs: list[RequestOutput] = []
+        self.overlap = (not config.disable_overlap_schedule and hasattr(runner, "submit")
+                        and hasattr(runner, "result"))
+        self._inflight: tuple[ScheduleBatch, object] | None = None  # (batch, runner handle)
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, req: Req) -> None:
@@ -115,22 +124,56 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.live)
+        return bool(self.live) or self._inflight is not None
 
     def step(self) -> list[RequestOutput]:
-        """Run one forward step (if there is anything to run) and return its outputs."""
-        batch = self.schedule()
-        if batch is not None:
-            self.process_output(batch, self.runner.forward(batch.forward_batch))
+        """Run one forward step (if there is anything to run) and return the outputs that
+        are ready: this step's, or under overlap scheduling the previous step's."""
+        if self.overlap:
+            self._step_overlapped()
+        else:
+            batch = self.schedule()
+            if batch is not None:
+                self.advance(batch)
+                self.process_output(batch, self.runner.forward(batch.forward_batch))
         if self.config.debug_invariants:
             self.check_invariant()
         outputs, self._outputs = self._outputs, []
         return outputs
 
+    def _step_overlapped(self) -> None:
+        self._merge_last_prefill()
+        if self._inflight is not None and not self._can_overlap():
+            self._finish_inflight()
+        batch = self.schedule()
+        handle = None
+        if batch is not None:
+            self.advance(batch)
+            handle = self.runner.submit(batch.forward_batch)
+        self._finish_inflight()  # the previous batch, while this one runs
+        self._inflight = (batch, handle) if batch is not None else None
+        if not self.live:  # everyone finished: what is in flight is wasted work; wait it out
+            self._finish_inflight()
+
+    def _can_overlap(self) -> bool:
+        """True when the next batch is a decode of the running set that needs neither the
+        in-flight tokens' values on this side nor a retraction."""
+        return (not self.waiting and self.chunked_req is None and bool(self.running)
+                and not any(r.sampling_params.has_penalties for r in self.running)
+                and decode_slots_needed(self.running, self.cache)
+                <= self.cache.available_and_evictable())
+
+    def _finish_inflight(self) -> None:
+        if self._inflight is not None:
+            batch, handle = self._inflight
+            self._inflight = None
+            self.process_output(batch, self.runner.result(handle))
+
     def flush_cache(self) -> bool:
         """Empty the radix cache; refused (False) while any request is live."""
         if self.live:
             return False
+        self._finish_inflight()
         self.cache.flush()
         return True
 
@@ -226,23 +269,36 @@ class Scheduler:
         return ScheduleBatch.build([], list(self.running), self.cache)
 
     # ------------------------------------------------------------------ results
+    def advance(self, batch: ScheduleBatch) -> None:
+        """The batch is submitted: its tokens' K/V will be in their slots, so every request's
+        ``cached_len`` moves to ``seq_len`` now (the next batch may be built before these
+        results are back). Records the lengths ``process_output`` needs."""
+        batch.start_lens = [r.cached_len for r in batch.reqs]
+        batch.seq_lens = [r.seq_len for r in batch.reqs]
+        for req in batch.reqs:
+            req.cached_len, req.extend_len = req.seq_len, 0
+            req.computed_len = max(req.computed_len, req.cached_len)
+
     def process_output(self, batch: ScheduleBatch, output: ForwardOutput) -> None:
-        """Apply one forward's results: advance ``cached_len``, append sampled tokens, check
-        stops, cache prompts, retire finished requests, queue their outputs."""
+        """Apply one forward's results (``advance`` ran at submission): append sampled tokens,
+        check stops, cache prompts, retire finished requests, queue their outputs. Requests
+        that finished meanwhile (a wasted overlap step, an abort) are skipped."""
         next_ids = output.next_token_ids.tolist()
         num_prefill = len(batch.prefill)
+        already_done = {id(r) for r in batch.reqs if r.finished}
         for i, req in enumerate(batch.reqs):
-            start, req.cached_len, req.extend_len = req.cached_len, req.seq_len, 0
-            req.computed_len = max(req.computed_len, req.cached_len)
+            if id(req) in already_done:
+                continue
+            start, seq_len = batch.start_lens[i], batch.seq_lens[i]
             input_logprobs_done = False
             if i < num_prefill:
-                self.stats.prefill_tokens += req.cached_len - start
+                self.stats.prefill_tokens += seq_len - start
                 if batch.input_logprob_starts[i] >= 0:
                     input_logprobs_done = self._collect_input_logprobs(
                         req, output, i, start, batch.input_logprob_starts[i])
             else:
                 self.stats.decode_tokens += 1
-            if req.cached_len < req.total_len:
+            if seq_len < req.total_len:
                 continue  # a chunk of a longer prompt: its sample is not a token
             new_ids = []
             if req.sampling_params.max_new_tokens == 0:
@@ -259,7 +315,7 @@ class Scheduler:
             if not req.finished:
                 self.cache.cache_unfinished(req)
         for req in batch.reqs:
-            if req.finished:
+            if req.finished and id(req) not in already_done:
                 self._retire(req)
         if batch.decode:
             self.running = [r for r in self.running if not r.finished]

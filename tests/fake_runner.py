@@ -70,6 +70,7 @@ class FakeRunner:
         num_slots = (max_total_tokens // page_size + 1) * page_size
         self.kv = torch.full((num_slots,), -1, dtype=torch.int64)
         self.table = torch.zeros((max_running_requests + 1, max_context_len), dtype=torch.int64)
+        self.future = torch.full((max_running_requests + 1,), -1, dtype=torch.int64)  # per row
         self.batches: list[ForwardBatch] = []
         self.keep_batches = False
         self.num_forward = 0
@@ -95,6 +96,8 @@ class FakeRunner:
                                    int(batch.extend_lens[i]))
             carried = int(batch.prefix_slot_lens[i])
             assert carried in (0, prefix), "a carried prefix must be whole"
+            if prefix == 0:
+                self.future[row] = -1  # the row's new owner has sampled nothing yet
             if carried:
                 self.table[row, :prefix] = batch.prefix_slots[p_off : p_off + carried]
                 p_off += carried
@@ -102,7 +105,11 @@ class FakeRunner:
             positions = batch.positions[t_off : t_off + extend]
             assert torch.equal(positions, torch.arange(prefix, prefix + extend)), "positions"
             t_off += extend
-        self.kv[batch.out_cache_loc] = batch.input_ids
+        input_ids = batch.input_ids.clone()  # resolve overlap's future references (-row)
+        future = input_ids < 0
+        input_ids[future] = self.future[-input_ids[future]]
+        assert bool((input_ids >= 0).all()), "a future token read before it was sampled"
+        self.kv[batch.out_cache_loc] = input_ids
 
         next_ids, logprobs, tops, input_lps = [], [], [], []
         t_off = 0
@@ -130,8 +137,29 @@ class FakeRunner:
             else:
                 input_lps.append(None)
             t_off += extend
+        self.future[batch.req_pool_indices] = torch.tensor(next_ids, dtype=torch.int64)
         return ForwardOutput(
             next_token_ids=torch.tensor(next_ids, dtype=torch.int64),
             next_token_logprobs=torch.tensor(logprobs, dtype=torch.float32),
             top_logprobs=tops,
             input_token_logprobs=input_lps if batch.input_logprob_starts is not None else None)
+
+
+class OverlapFakeRunner(FakeRunner):
+    """FakeRunner with the overlap interface: ``submit`` runs the batch at once (a very fast
+    worker) and ``result`` hands its output back later, so the scheduler builds batch N+1
+    before it has seen batch N's tokens."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    def submit(self, batch: ForwardBatch) -> ForwardOutput:
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        return self.forward(batch)
+
+    def result(self, handle: ForwardOutput) -> ForwardOutput:
+        self.in_flight -= 1
+        return handle

@@ -176,3 +176,20 @@ def test_server_argument_errors_name_the_argument(tiny_llama_path):
         with pytest.raises(ValueError, match="^prompt: "):
             engine.generate()
         assert_clean(engine)
+
+
+def test_overlap_scheduling_gives_the_same_tokens_as_one_batch_at_a_time(tiny_llama_path):
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 11]]
+    params = [{"max_new_tokens": 20, "temperature": 1.0, "seed": 3},
+              {"max_new_tokens": 7, "temperature": 0.7, "top_p": 0.9, "seed": 5},
+              {"max_new_tokens": 12, "temperature": 0}]
+    results = []
+    for disable in (False, True):
+        with Engine(tiny_llama_path, max_total_tokens=4096,
+                    disable_overlap_schedule=disable) as engine:
+            assert engine.scheduler.overlap is not disable
+            outs = engine.generate(input_ids=prompts, sampling_params=params)
+            results.append([o["output_ids"] for o in outs])
+            engine.scheduler.check_invariant()
+    assert results[0] == results[1]
+    assert results[0][2] == hf_greedy(tiny_llama_path, prompts[2], 12)

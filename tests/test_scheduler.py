@@ -14,7 +14,8 @@ import random
 import pytest
 import torch
 
-from fake_runner import FakeRunner, reference_input_logprobs, reference_tokens
+from fake_runner import (FakeRunner, OverlapFakeRunner, reference_input_logprobs,
+                         reference_tokens)
 from radixray.scheduler.config import SCHEDULE_POLICIES, SchedulerConfig
 from radixray.scheduler.radix_cache import RadixCache, RadixKey
 from radixray.scheduler.request import Req
@@ -23,9 +24,18 @@ from radixray.scheduler.stop import trim_stop_text
 from radixray.worker.sampling_params import SamplingParams
 
 
+@pytest.fixture(autouse=True, params=["sync", "overlap"])
+def runner_kind(request):
+    """Every scheduler test runs twice: one batch at a time, and with overlap scheduling
+    (batch N+1 built and submitted before batch N's tokens are processed)."""
+    global RUNNER
+    RUNNER = FakeRunner if request.param == "sync" else OverlapFakeRunner
+    yield request.param
+
+
 def make(pool=8192, running=64, context=16384, page=1, eos=(), decode=None, **cfg):
     cfg.setdefault("debug_invariants", True)
-    runner = FakeRunner(pool, running, context, page)
+    runner = RUNNER(pool, running, context, page)
     sched = Scheduler(SchedulerConfig(page_size=page, **cfg), runner, eos_token_ids=eos,
                       decode=decode)
     return sched, runner
@@ -370,10 +380,10 @@ def test_priority_lof_and_routing_key_orders():
 
     sched, _ = make(schedule_policy="routing-key", max_prefill_tokens=1)
     sched.add_request(req("runner", prompts[3], 50, routing_key="a"))
-    sched.step()  # "runner" is running with key "a"
+    sched.step()  # "runner" is running with key "a" (its first token may come a step later)
     reqs = [req("b", prompts[0], 2, routing_key="b"), req("none", prompts[1], 2),
             req("a", prompts[2], 2, routing_key="a")]
-    assert _first_token_order(sched, reqs)[:3] == ["a", "b", "none"]
+    assert [r for r in _first_token_order(sched, reqs) if r != "runner"] == ["a", "b", "none"]
 
 
 def test_extra_key_keeps_salted_requests_apart():
@@ -421,3 +431,17 @@ def test_metrics_snapshot_names_and_values():
     assert m["prompt_tokens_total"] == 128 and m["num_running_reqs"] == 0
     assert 0 < m["cached_tokens_total"] < 128 and 0 <= m["token_usage"] <= 1
     assert m["kv_available_tokens"] + m["kv_evictable_tokens"] == sched.cache.pool_size
+
+
+def test_overlap_keeps_two_batches_in_flight_and_wastes_at_most_one_step(runner_kind):
+    sched, runner = make()
+    prompts = [list(range(k * 50, k * 50 + 20)) for k in range(3)]
+    results = run(sched, [req(f"r{k}", p, 30) for k, p in enumerate(prompts)])
+    for k, p in enumerate(prompts):
+        assert results[f"r{k}"].tokens == reference_tokens(p, 30)
+    if runner_kind == "overlap":
+        assert runner.max_in_flight == 2 and runner.in_flight == 0
+        # one prefill, 29 decodes, and one wasted decode after the last token was sampled
+        assert runner.num_forward == 31
+    else:
+        assert runner.num_forward == 30

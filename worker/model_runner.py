@@ -8,6 +8,7 @@ every rank runs the same code so collectives line up.
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +80,7 @@ class ModelRunner:
         # marks a row with nothing written yet; reading it is a scheduler bug and raises.
         self.future_tokens = torch.full((self.max_running_requests + 1,), -1, dtype=torch.int64,
                                         device=self.device)
+        self._executor: ThreadPoolExecutor | None = None  # see submit
         self.graphs = None  # CUDA graphs of decode batches, when the backend allows them
         if (self.device.type == "cuda" and not cfg.disable_cuda_graph
                 and getattr(self.attn, "supports_cuda_graph", False)):
@@ -120,6 +122,16 @@ class ModelRunner:
         return min(CPU_KV_BUDGET_BYTES // per_token, MAX_DEFAULT_TOKENS)
 
     # ------------------------------------------------------------------------------------------
+    def submit(self, batch: ForwardBatch) -> Future:
+        """Overlap scheduling in one process: run ``forward`` on the runner's own thread (torch
+        releases the GIL while it computes) and return at once; batches run in order."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="radixray-forward")
+        return self._executor.submit(self.forward, batch)
+
+    def result(self, handle: Future) -> ForwardOutput:
+        return handle.result()
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         if self.graphs is not None and self.graphs.can_run(batch):
@@ -163,8 +175,10 @@ class ModelRunner:
             table[rows, batch.prefix_lens.to(dev)] = out_loc
         p_off = o_off = 0
         for i, row in enumerate(batch.req_pool_indices.tolist() if not decode_only else []):
-            if carried[i] or prefix_lens[i] == 0:
-                self.future_tokens[row] = -1  # a row's new owner has sampled nothing yet
+            if prefix_lens[i] == 0:
+                # a row's new owner has sampled nothing yet (a carried prefix is not a new
+                # owner: a decoding request's row is carried again when the tree dedups it)
+                self.future_tokens[row] = -1
             if carried[i]:
                 table[row, : carried[i]] = prefix_slots[p_off : p_off + carried[i]]
                 p_off += carried[i]
