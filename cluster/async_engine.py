@@ -245,8 +245,9 @@ class InProcessEngine:
     def _fail_all(self, message: str) -> None:
         sinks, self._sinks = self._sinks, {}
         for rid, (loop, queue) in sinks.items():
-            out = TokenOutput(rid, [], finished=True,
-                              finish_reason={"type": "abort", "message": message})
+            out = TokenOutput(rid, [], finished=True,  # 503: the server's fault, retry later
+                              finish_reason={"type": "abort", "message": message,
+                                             "status_code": 503})
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, out)
             except RuntimeError:

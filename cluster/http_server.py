@@ -234,6 +234,12 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
             session.close()
         if isinstance(states, Response):
             return states
+        failed = next((s for s in states if (s.finish_reason or {}).get("status_code", 0) >= 500),
+                      None)
+        if failed is not None:  # the engine failed under the request (a rank died): retryable
+            raise APIError(failed.finish_reason["status_code"],
+                           f"request aborted: {failed.finish_reason.get('message')}",
+                           err_type="ServiceUnavailableError")
         results = [native_api.native_result(s, tokenizer, with_text) for s in states]
         return results if multi else results[0]
 

@@ -21,7 +21,8 @@ def _abort_error(state: RequestState) -> APIError:
     reason = state.finish_reason or {}
     status = reason.get("status_code", 500)
     return APIError(status, f"request aborted: {reason.get('message') or 'no reason given'}",
-                    err_type="BadRequestError" if status == 400 else "InternalServerError")
+                    err_type={400: "BadRequestError", 503: "ServiceUnavailableError"}.get(
+                        status, "InternalServerError"))
 
 
 def _error_event(err: APIError) -> str:
