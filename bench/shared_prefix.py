@@ -146,6 +146,7 @@ def scheduler_overhead(num_running: int = 64, prompt_len: int = 512, steps: int 
         t1 = time.perf_counter()
         out = sched.runner.forward(batch.forward_batch)
         t2 = time.perf_counter()
+        sched.advance(batch)
         sched.process_output(batch, out)
         t3 = time.perf_counter()
         assert len(batch.decode) == num_running and not batch.prefill

@@ -150,3 +150,41 @@ def test_input_logprobs_match_hf(tiny_llama_path):
     want = torch.stack([ref[j, ids[j + 1]] for j in range(batch_start, len(ids) - 1)])
     assert got.shape == want.shape
     assert torch.allclose(got, want, atol=LOGIT_TOL)
+
+
+@pytest.mark.parametrize("pad_waste", [0.0, float("inf")])  # per request / one padded call
+def test_torch_native_extend_paths_equal_per_request_causal_sdpa(pad_waste):
+    import torch.nn.functional as F
+
+    from radixray.worker.attention import AttentionMetadata, KVCache, TorchNativeBackend
+
+    heads, kv_heads, dim = 4, 2, 8
+    rows, prefixes, extends = [1, 2, 3], [0, 9, 30], [6, 4, 1]
+    torch.manual_seed(0)
+    kv = KVCache(1, 128, kv_heads, dim, torch.float32, "cpu", 4, 64)
+    kv.k[0].normal_(), kv.v[0].normal_()
+    perm, used = torch.randperm(127) + 1, 0
+    for row, n in zip(rows, [p + e for p, e in zip(prefixes, extends)]):
+        kv.req_to_token[row, :n] = perm[used : used + n]
+        used += n
+    out_loc = [int(kv.req_to_token[r, p + i]) for r, p, e in zip(rows, prefixes, extends)
+               for i in range(e)]
+    q = torch.randn(sum(extends), heads, dim)
+    k, v = torch.randn(sum(extends), kv_heads, dim), torch.randn(sum(extends), kv_heads, dim)
+    t = torch.tensor
+    backend = TorchNativeBackend()
+    backend.PAD_WASTE = pad_waste
+    backend.prepare(AttentionMetadata(t(rows), t(prefixes), t(extends), t(out_loc), prefixes,
+                                      extends, decode_only=False), kv)
+    out = backend.forward(0, q, k, v)
+    assert backend.padded is (pad_waste > 0)
+    start = 0
+    for row, p, e in zip(rows, prefixes, extends):
+        slots = kv.req_to_token[row, : p + e]
+        causal = torch.arange(p + e)[None, :] <= torch.arange(p, p + e)[:, None]
+        ref = F.scaled_dot_product_attention(
+            q[start : start + e].transpose(0, 1), kv.k[0][slots].transpose(0, 1),
+            kv.v[0][slots].transpose(0, 1), attn_mask=causal, enable_gqa=True)
+        assert torch.allclose(out[start : start + e], ref.transpose(0, 1).reshape(e, -1),
+                              atol=1e-5)
+        start += e

@@ -85,7 +85,12 @@ class AttentionBackend:
 @register_attention_backend("torch_native")
 class TorchNativeBackend(AttentionBackend):
     """Reference backend. Decode-only batches gather every request's slots into one padded
-    ``[B, L]`` block and run one masked SDPA; extend batches run one causal SDPA per request."""
+    ``[B, L]`` block and run one masked SDPA. Extend batches do the same with queries padded to
+    ``[B, E]`` when the padding costs at most ``PAD_WASTE`` x the real work (many short
+    extends over cached prefixes, the shared-prefix case: one call instead of B), and run one
+    causal SDPA per request otherwise (one long prompt beside short ones)."""
+
+    PAD_WASTE = 2.0
 
     def __init__(self, **_):
         self.meta: AttentionMetadata | None = None
@@ -98,11 +103,40 @@ class TorchNativeBackend(AttentionBackend):
             self.slots = kv.req_to_token[meta.req_rows, :max_len]  # [B, L]
             self.valid = (torch.arange(max_len, device=seq_lens.device)[None, :]
                           < seq_lens[:, None])  # [B, L]
+        elif self._padding_pays(meta):
+            self._prepare_padded_extend(meta, kv)
         else:
+            self.padded = False
             self.row_slots = []
             for row, prefix, extend in zip(meta.req_rows.tolist(), meta.prefix_lens_cpu,
                                            meta.extend_lens_cpu):
                 self.row_slots.append(kv.req_to_token[row, : prefix + extend])
+
+    def _padding_pays(self, meta: AttentionMetadata) -> bool:
+        lens = list(zip(meta.prefix_lens_cpu, meta.extend_lens_cpu))
+        if len(lens) < 2:
+            return False
+        real = sum(e * (p + e) for p, e in lens)
+        padded = len(lens) * max(e for _, e in lens) * max(p + e for p, e in lens)
+        return padded <= self.PAD_WASTE * real
+
+    def _prepare_padded_extend(self, meta: AttentionMetadata, kv: KVCache) -> None:
+        """Index and mask tensors for one SDPA over the whole extend batch."""
+        self.padded = True
+        dev = meta.extend_lens.device
+        extend, prefix = meta.extend_lens, meta.prefix_lens
+        max_extend = max(meta.extend_lens_cpu)
+        max_len = max(p + e for p, e in zip(meta.prefix_lens_cpu, meta.extend_lens_cpu))
+        t = torch.arange(max_extend, device=dev)
+        self.q_valid = t[None, :] < extend[:, None]  # [B, E]
+        starts = torch.cumsum(extend, 0) - extend
+        self.q_index = torch.where(self.q_valid, starts[:, None] + t[None, :], 0)  # [B, E]
+        self.slots = kv.req_to_token[meta.req_rows, :max_len]  # [B, L]
+        # new token t of request b sits at position prefix_b + t and sees keys 0 .. prefix_b + t;
+        # padded query rows see every key (their output is dropped; an empty row would be NaN)
+        keys = torch.arange(max_len, device=dev)
+        causal = keys[None, None, :] <= (prefix[:, None, None] + t[None, :, None])  # [B, E, L]
+        self.mask = (causal | ~self.q_valid[:, :, None])[:, None]  # [B, 1, E, L]
 
     def forward(self, layer_id, q, k, v):
         meta, kv = self.meta, self.kv
@@ -123,6 +157,13 @@ class TorchNativeBackend(AttentionBackend):
         return out.reshape(batch, heads * dim)
 
     def _extend(self, q, k_buf, v_buf):
+        if self.padded:
+            q_pad = q[self.q_index].transpose(1, 2)  # [B, Hq, E, D]
+            out = F.scaled_dot_product_attention(
+                q_pad, k_buf[self.slots].transpose(1, 2), v_buf[self.slots].transpose(1, 2),
+                attn_mask=self.mask, enable_gqa=True)  # [B, Hq, E, D]
+            out = out.transpose(1, 2)[self.q_valid]  # [T, Hq, D], the batch's token order
+            return out.reshape(out.shape[0], -1)
         meta = self.meta
         outputs, start = [], 0
         for slots, prefix, extend in zip(self.row_slots, meta.prefix_lens_cpu,
