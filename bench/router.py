@@ -78,8 +78,8 @@ class SimWorker:
 def simulate(policy, workload, n_workers, cache_chars, tree_chars, rate, decode_s,
              arrival_rate, seed=0, **config_kw):
     config = RouterConfig(policy=policy, max_tree_size=tree_chars, seed=seed, **config_kw)
-    pol = make_policy(config)
     tree = ApproxRadixTree(tree_chars)
+    pol = make_policy(config, tree=tree)
     workers = [SimWorker(f"http://sim{i}", cache_chars, rate) for i in range(n_workers)]
     cands = [sw.w for sw in workers]
     by_url = {sw.w.url: sw for sw in workers}

@@ -51,7 +51,7 @@ class Router:
         self.metrics = RouterMetrics()
         self.registry = WorkerRegistry(config)
         self.registry.on_down(self.tree.remove_tenant)
-        self.policy = make_policy(config, self.rng)
+        self.policy = make_policy(config, self.rng, self.tree)
         for url in config.worker_urls:
             self.registry.add(url, source="static")
         self.discovery = None

@@ -15,9 +15,10 @@ import bisect
 import hashlib
 import random
 from dataclasses import dataclass
+from typing import Callable
 
 from .config import RouterConfig
-from .tree import PrefixMatch
+from .tree import ApproxRadixTree, PrefixMatch
 from .workers import Worker
 
 
@@ -33,20 +34,27 @@ class Decision:
     kind: str  # cache_hit | cache_miss | balance | other
 
 
-def least_loaded(candidates: list[Worker], rng: random.Random) -> Worker:
-    """The worker with the fewest in-flight requests; ties broken at random, so that sequential
-    requests (all loads 0) spread instead of piling onto the first worker."""
+def least_loaded(candidates: list[Worker], rng: random.Random,
+                 tie_break: Callable[[Worker], int] | None = None) -> Worker:
+    """The worker with the fewest in-flight requests; ties go to the lowest ``tie_break``
+    value, then at random, so that sequential requests (all loads 0) spread instead of piling
+    onto the first worker."""
     low = min(w.load for w in candidates)
     ties = [w for w in candidates if w.load == low]
+    if len(ties) > 1 and tie_break is not None:
+        least = min(tie_break(w) for w in ties)
+        ties = [w for w in ties if tie_break(w) == least]
     return ties[0] if len(ties) == 1 else rng.choice(ties)
 
 
 class Policy:
     name = "base"
 
-    def __init__(self, config: RouterConfig, rng: random.Random):
+    def __init__(self, config: RouterConfig, rng: random.Random,
+                 tree: ApproxRadixTree | None = None):
         self.config = config
         self.rng = rng
+        self.tree = tree  # the router's tree, for policies that weigh what workers hold
 
     def choose(self, info: RequestInfo, candidates: list[Worker], match: PrefixMatch) -> Decision:
         raise NotImplementedError
@@ -71,15 +79,19 @@ class CacheAwarePolicy(Policy):
                 pool = [w for w in candidates if w.url in held]
                 return Decision(least_loaded(pool, self.rng), "cache_hit")
         # A miss goes to the least loaded worker, not the one with the smallest tree: the smallest
-        # tree stays smallest while it is being filled, so it would collect every miss.
-        return Decision(least_loaded(candidates, self.rng), "cache_miss")
+        # tree stays smallest while it is being filled, so it would collect every miss. Among
+        # equally loaded workers the smaller tree wins: a new prefix (a new tenant) goes where
+        # fewer prefixes live, so tenants, and with them the load they bring, split evenly
+        # instead of by coin flips.
+        size = (lambda w: self.tree.size(w.url)) if self.tree is not None else None
+        return Decision(least_loaded(candidates, self.rng, size), "cache_miss")
 
 
 class RoundRobinPolicy(Policy):
     name = "round_robin"
 
-    def __init__(self, config, rng):
-        super().__init__(config, rng)
+    def __init__(self, config, rng, tree=None):
+        super().__init__(config, rng, tree)
         self._next = 0
 
     def choose(self, info, candidates, match):
@@ -126,8 +138,8 @@ class ConsistentHashPolicy(Policy):
     name = "consistent_hash"
     VNODES = 160  # enough points per worker for an even split of keys (spread within a few %)
 
-    def __init__(self, config, rng):
-        super().__init__(config, rng)
+    def __init__(self, config, rng, tree=None):
+        super().__init__(config, rng, tree)
         self._ring_urls: frozenset[str] | None = None
         self._points: list[int] = []
         self._owners: list[str] = []
@@ -157,11 +169,13 @@ POLICIES: dict[str, type[Policy]] = {
 }
 
 
-def make_policy(config: RouterConfig, rng: random.Random | None = None) -> Policy:
-    """The policy named by ``config.policy``, with its own seeded random source."""
+def make_policy(config: RouterConfig, rng: random.Random | None = None,
+                tree: ApproxRadixTree | None = None) -> Policy:
+    """The policy named by ``config.policy``, with its own seeded random source and (for
+    ``cache_aware``'s tie-break) the router's tree."""
     try:
         cls = POLICIES[config.policy]
     except KeyError:
         raise ValueError(f"policy: unknown policy {config.policy!r}; "
                          f"choose one of {', '.join(POLICIES)}") from None
-    return cls(config, rng or random.Random(config.seed))
+    return cls(config, rng or random.Random(config.seed), tree)

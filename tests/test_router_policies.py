@@ -22,7 +22,8 @@ def workers(*loads):
 
 def setup(policy="cache_aware", **kw):
     config = RouterConfig(policy=policy, seed=0, **kw)
-    return make_policy(config, random.Random(0)), ApproxRadixTree(config.max_tree_size)
+    tree = ApproxRadixTree(config.max_tree_size)
+    return make_policy(config, random.Random(0), tree), tree
 
 
 def choose(policy, tree, ws, text, key=None):
@@ -42,6 +43,18 @@ class TestCacheAware:
         tree.insert(SYSTEM + "question one", ws[2].url)
         d = choose(policy, tree, ws, SYSTEM + "question two")
         assert (d.worker, d.kind) == (ws[2], "cache_hit")
+
+    def test_new_tenants_on_idle_workers_split_evenly(self):
+        policy, tree = setup()
+        ws = workers(0, 0)
+        for tenant in range(16):  # each a new prefix; loads stay equal (sequential requests)
+            text = f"tenant {tenant} " * 30 + "question"
+            d = choose(policy, tree, ws, text)
+            assert d.kind == "cache_miss"
+            tree.insert(text, d.worker.url)
+        owners = Counter(tree.match(f"tenant {t} " * 30).best({w.url for w in ws})[1][0]
+                         for t in range(16))
+        assert sorted(owners.values()) == [8, 8]
 
     def test_among_holders_the_least_loaded_wins(self):
         policy, tree = setup()
