@@ -284,6 +284,7 @@ def to_token_output(out: RequestOutput, queue_time: float | None) -> TokenOutput
         rid=out.rid, new_token_ids=list(out.new_token_ids), finished=out.finished,
         finish_reason=out.finish_reason.to_dict() if out.finish_reason else None,
         prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
+        host_cached_tokens=out.host_cached_tokens,
         completion_tokens=out.completion_tokens,
         output_token_logprobs=list(out.output_token_logprobs),
         output_top_logprobs=list(out.output_top_logprobs),

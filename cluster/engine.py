@@ -76,7 +76,9 @@ class Engine:
         ``schedule_conservativeness``, ``chunked_prefill_size``, ``max_prefill_tokens``,
         ``max_total_tokens``, ``max_running_requests``, ``page_size``,
         ``radix_eviction_policy``, ``disable_radix_cache``, ``enable_mixed_chunk``,
-        ``debug_invariants``, ``random_seed``) and ``RUNNER_ARGS``' (``dtype``, ``device``,
+        ``debug_invariants``, ``random_seed``, ``disable_jump_forward``,
+        ``grammar_compile_timeout``, ``enable_hierarchical_cache``, ``hicache_ratio``,
+        ``hicache_size``, ``hicache_write_policy``) and ``RUNNER_ARGS``' (``dtype``, ``device``,
         ``attention_backend``, ``context_length``, ``mem_fraction_static``, ``load_format``,
         ``tokenizer_path``). An unknown or invalid one raises ValueError naming it.
         """
@@ -97,13 +99,16 @@ class Engine:
             max_running_requests=self.config.max_running_requests,
             max_context_len=runner_args["context_length"], page_size=self.config.page_size,
             attention_backend=runner_args["attention_backend"],
-            load_format=runner_args["load_format"], seed=self.config.random_seed))
+            load_format=runner_args["load_format"], seed=self.config.random_seed,
+            enable_hierarchical_cache=self.config.enable_hierarchical_cache,
+            hicache_ratio=self.config.hicache_ratio, hicache_size=self.config.hicache_size))
         mc = self.runner.model_config
         eos = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.scheduler = Scheduler(self.config, self.runner, eos_token_ids=eos,
-                                   decode=self.tokenizer.decode, vocab_size=mc.vocab_size)
+                                   decode=self.tokenizer.decode, vocab_size=mc.vocab_size,
+                                   tokenizer=self.tokenizer)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt=None, input_ids=None, sampling_params=None,
@@ -191,6 +196,8 @@ class Engine:
             "prompt_tokens": c.last.prompt_tokens,
             "completion_tokens": c.last.completion_tokens,
             "cached_tokens": c.last.cached_tokens,
+            "cached_tokens_details": {"device": c.last.cached_tokens - c.last.host_cached_tokens,
+                                      "host": c.last.host_cached_tokens},
             "finish_reason": reason.to_dict() if reason else None,
             "e2e_latency": c.latency,
         }
@@ -218,6 +225,8 @@ class Engine:
 
     def shutdown(self) -> None:
         """Drop the model and the scheduler; the engine cannot be used afterwards."""
+        if self.scheduler is not None and self.scheduler.grammars is not None:
+            self.scheduler.grammars.backend.shutdown()
         self.scheduler = None
         self.runner = None
 

@@ -41,6 +41,7 @@ class TokenOutput:
     finish_reason: dict | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of cached_tokens, loaded from the host tier (hicache)
     completion_tokens: int = 0
     output_token_logprobs: list[LogprobEntry] = field(default_factory=list)  # for new tokens
     output_top_logprobs: list[list[LogprobEntry]] = field(default_factory=list)

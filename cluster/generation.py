@@ -17,6 +17,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
+from ..scheduler.grammar import validate_grammar
 from ..worker.sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
 from .engine_protocol import EngineClient, GenerateRequest, TokenOutput
@@ -56,6 +57,7 @@ class RequestState:
     finish_reason: dict | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     input_token_logprobs: list[tuple[float | None, int]] | None = None
@@ -84,6 +86,7 @@ class RequestState:
         now = time.perf_counter()
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
+        self.host_cached_tokens = max(self.host_cached_tokens, out.host_cached_tokens)
         if out.queue_time is not None:
             self.queue_time = out.queue_time
         if out.input_token_logprobs is not None:
@@ -342,6 +345,8 @@ def check_sampling_params(sp: SamplingParams, vocab_size: int | None,
                 json.loads(sp.json_schema)
             except ValueError as e:
                 raise ValueError(f"json_schema: not valid JSON ({e})") from None
+        if sp.constraint is not None:  # parses it (no compilation); names the problem
+            validate_grammar(*sp.constraint)
     except ValueError as e:
         name, _, msg = str(e).partition(": ")
         name = rename.get(name, name)

@@ -41,6 +41,8 @@ COUNTERS = {
     "prompt_tokens_total": "Prompt tokens received.",
     "generation_tokens_total": "Tokens generated.",
     "cached_tokens_total": "Prompt tokens served from the radix cache.",
+    "host_cached_tokens_total": "Of cached_tokens_total, those loaded back from the host-memory "
+                                "tier (hierarchical cache).",
     "num_requests_total": "Requests finished (any reason).",
     "num_aborted_requests_total": "Requests aborted (client gone, abort call, error).",
     "num_retracted_reqs_total": "Running requests retracted to free KV-cache memory.",

@@ -5,9 +5,10 @@ list; null and empty values mean "default"), ``stream``, ``return_logprob``,
 ``logprob_start_len``, ``top_logprobs_num``, ``return_text_in_logprobs``, ``rid``.
 Response: one object per prompt (a list for list input; prompt-major when n > 1):
 ``{"text", "output_ids", "meta_info": {"id", "prompt_tokens", "completion_tokens",
-"cached_tokens", "finish_reason", "e2e_latency", ...logprobs}}``. Logprob entries are
-``[logprob, token_id, text_or_null]``; ``input_token_logprobs`` covers the prompt from
-``logprob_start_len`` on and its first value is null. Streams send cumulative ``text``.
+"cached_tokens", "cached_tokens_details": {"device", "host"}, "finish_reason", "e2e_latency",
+...logprobs}}``. Logprob entries are ``[logprob, token_id, text_or_null]``;
+``input_token_logprobs`` covers the prompt from ``logprob_start_len`` on and its first value
+is null. Streams send cumulative ``text``.
 """
 
 from __future__ import annotations
@@ -138,6 +139,8 @@ def native_result(state: RequestState, tokenizer, with_text: bool) -> dict:
         "prompt_tokens": state.prompt_tokens or len(state.req.input_ids),
         "completion_tokens": state.completion_tokens,
         "cached_tokens": state.cached_tokens,
+        "cached_tokens_details": {"device": state.cached_tokens - state.host_cached_tokens,
+                                  "host": state.host_cached_tokens},
         "finish_reason": state.finish_reason,
         "e2e_latency": state.e2e_latency,
     }

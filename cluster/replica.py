@@ -43,7 +43,9 @@ def runner_config(model_path: str, config: SchedulerConfig, runner_args: dict) -
         max_running_requests=config.max_running_requests,
         max_context_len=runner_args["context_length"], page_size=config.page_size,
         attention_backend=runner_args["attention_backend"],
-        load_format=runner_args["load_format"], seed=config.random_seed)
+        load_format=runner_args["load_format"], seed=config.random_seed,
+        enable_hierarchical_cache=config.enable_hierarchical_cache,
+        hicache_ratio=config.hicache_ratio, hicache_size=config.hicache_size)
 
 
 class SwappableEngine:
@@ -127,7 +129,8 @@ class ReplicaServer:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         scheduler = Scheduler(self.config, group, eos_token_ids=eos,
-                              decode=self.tokenizer.decode, vocab_size=group.info["vocab_size"])
+                              decode=self.tokenizer.decode, vocab_size=group.info["vocab_size"],
+                              tokenizer=self.tokenizer)
         info = {**self.server_args, "model_path": self.runner_cfg.model_path,
                 "engine": "ray-replica", "replica": self.replica_id,
                 "max_total_num_tokens": group.max_total_tokens,

@@ -31,6 +31,17 @@ _SCHEDULER_FLAGS = {
     "disable_overlap_schedule": (bool, "wait for each batch's tokens before building the next"),
     "debug_invariants": (bool, "check the KV memory invariant after every step (slow)"),
     "random_seed": (int, "seed for sampling and the random queue policy"),
+    "disable_jump_forward": (bool, "decode text a grammar forces token by token instead of "
+                                   "appending it at once"),
+    "grammar_compile_timeout": (float, "seconds a grammar may take to compile before its "
+                                       "request fails"),
+    "enable_hierarchical_cache": (bool, "keep evicted prefixes in a host-memory KV tier and "
+                                        "load them back instead of recomputing them"),
+    "hicache_ratio": (float, "host KV pool size as a multiple of the device pool"),
+    "hicache_size": (float, "host KV pool size in GB per rank; overrides --hicache-ratio "
+                            "when > 0"),
+    "hicache_write_policy": (str, "write_through: copy to host on insert; write_back: on "
+                                  "eviction from the device"),
 }
 
 
@@ -38,7 +49,8 @@ _SCHEDULER_FLAGS = {
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """Every flag of ``radixray serve`` (mutates ``p``)."""
     from ..kernels import ATTENTION_BACKEND_CHOICES
-    from ..scheduler.config import EVICTION_POLICIES, SCHEDULE_POLICIES, SchedulerConfig
+    from ..scheduler.config import (EVICTION_POLICIES, SCHEDULE_POLICIES, WRITE_POLICIES,
+                                    SchedulerConfig)
 
     p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     p.add_argument("--model", "--model-path", dest="model_path", default=None,
@@ -83,7 +95,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="dummy: random weights (benchmarks)")
     g = p.add_argument_group("scheduler")
     defaults = SchedulerConfig()
-    choices = {"schedule_policy": SCHEDULE_POLICIES, "radix_eviction_policy": EVICTION_POLICIES}
+    choices = {"schedule_policy": SCHEDULE_POLICIES, "radix_eviction_policy": EVICTION_POLICIES,
+               "hicache_write_policy": WRITE_POLICIES}
     for name, (kind, help_text) in _SCHEDULER_FLAGS.items():
         flag = "--" + name.replace("_", "-")
         default = getattr(defaults, name)
@@ -93,6 +106,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         else:
             g.add_argument(flag, type=kind, default=default, choices=choices.get(name),
                            help=help_text)
+
+
+def _die_with_parent():
+    """A preexec_fn that makes the router get SIGTERM when serve exits, however it exits.
+
+    When its Ray cluster goes away (``ray stop``, ``ray down``), Ray ends this driver with a hard
+    exit that skips ``finally``; without this the router would keep the port, answering 503.
+    Linux only (``prctl``); None elsewhere. The libc call is looked up here, before the fork.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def server_args_from(args: argparse.Namespace) -> dict:
@@ -144,7 +172,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"radixray: {len(urls)} replica(s) ready: {' '.join(urls)}", flush=True)
         router = subprocess.Popen([
             sys.executable, "-m", "radixray.router", "--host", args.host, "--port",
-            str(args.port), "--policy", args.router_policy, "--worker-urls", *urls])
+            str(args.port), "--policy", args.router_policy, "--worker-urls", *urls],
+            preexec_fn=_die_with_parent())
         print(f"radixray serving {args.served_model_name or model_path} at "
               f"http://{args.host}:{args.port} (router; OpenAI API under /v1, SGLang native "
               f"POST /generate)", flush=True)

@@ -61,6 +61,7 @@ class TPWorker:
         return {"max_total_tokens": self.runner.max_total_tokens,
                 "max_running_requests": self.runner.max_running_requests,
                 "max_context_len": self.runner.max_context_len,
+                "host_pool_tokens": self.runner.host_pool_tokens,
                 "vocab_size": mc.vocab_size, "eos_token_ids": list(mc.eos_token_ids)}
 
     def forward(self, batch: ForwardBatch, seq: int) -> ForwardOutput:

@@ -59,6 +59,7 @@ class WorkerGroup:
         self.max_total_tokens = self.info["max_total_tokens"]
         self.max_running_requests = self.info["max_running_requests"]
         self.max_context_len = self.info["max_context_len"]
+        self.host_pool_tokens = self.info["host_pool_tokens"]  # hierarchical cache; 0: off
         self.follow_refs = [w.follow.remote() for w in self.workers[1:]]
 
     def submit(self, batch: ForwardBatch):

@@ -62,6 +62,9 @@ class ScheduleBatch:
         out_cache_loc = cache.alloc_extend(reqs)
         starts = [_input_logprob_start(r) for r in prefill]
         fb = _forward_batch(prefill, decode, cache, out_cache_loc, starts)
+        # hierarchical cache: tier copies decided up to now (this batch's evictions and
+        # loads included) run on the worker before this batch's forward
+        fb.kv_store, fb.kv_load = cache.take_kv_copies()
         return cls(prefill, decode, fb, starts)
 
 

@@ -20,12 +20,18 @@ The lifecycle of a request's slots:
    other requests can hit it; the request's row now points at the tree's slots.
 5. ``cache_finished`` when done: the whole sequence goes into the tree, the lock is dropped.
    Or ``release`` on retraction: own slots freed, nothing inserted.
+
+With a host pool (``host_pool_size > 0``, the hierarchical cache) the tree is a
+``HiRadixCache``: ``match`` also finds the host-only continuation of the prefix, ``lock`` loads
+it back into device slots, and every batch takes the queued tier copies (``take_kv_copies``).
+The host tier has its own ledger: host free + host cached == host pool.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .hicache import HiRadixCache
 from .memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from .radix_cache import RadixCache, RadixKey
 from .request import Req
@@ -33,12 +39,19 @@ from .request import Req
 
 class CacheManager:
     def __init__(self, pool_size: int, max_running_requests: int, max_context_len: int,
-                 page_size: int = 1, eviction_policy: str = "lru", disable: bool = False):
+                 page_size: int = 1, eviction_policy: str = "lru", disable: bool = False,
+                 host_pool_size: int = 0, write_policy: str = "write_through"):
         self.page_size = page_size
         self.disabled = disable
         self.rows = ReqToTokenPool(max_running_requests, max_context_len)
         self.allocator = TokenToKVPoolAllocator(pool_size, page_size)
-        self.tree = RadixCache(self.allocator, page_size, eviction_policy, disable)
+        self.hicache: HiRadixCache | None = None  # the same object as tree, when on
+        if host_pool_size >= page_size and not disable:
+            self.hicache = HiRadixCache(self.allocator,
+                                        TokenToKVPoolAllocator(host_pool_size, page_size),
+                                        page_size, eviction_policy, write_policy)
+        self.tree = self.hicache or RadixCache(self.allocator, page_size, eviction_policy,
+                                               disable)
         self.evicted_tokens = 0  # running total, for metrics
 
     # ------------------------------------------------------------------ budget views
@@ -75,16 +88,35 @@ class CacheManager:
     def match(self, req: Req) -> int:
         """Point ``req.prefix_indices`` / ``req.last_node`` at its longest usable cached prefix
         and return its length. Locks nothing: call ``lock`` before anything can evict.
+        With the host tier, ``req.host_nodes`` continue the prefix on the host; their tokens
+        count in the returned length, and ``lock`` loads them.
 
         Only for a request that holds no slots (new, or retracted)."""
         assert req.req_pool_idx is None, f"{req!r} already holds slots"
-        result = self.tree.match_prefix(self.key(req, req.max_prefix_len()))
+        key = self.key(req, req.max_prefix_len())
+        if self.hicache is not None:
+            result, req.host_nodes = self.hicache.match_tiers(key)
+        else:
+            result = self.tree.match_prefix(key)
         req.prefix_indices, req.last_node = result.indices, result.last_node
-        return len(result.indices)
+        req.loaded_len = 0
+        return len(result.indices) + sum(len(n.key) for n in req.host_nodes)
 
     def lock(self, req: Req) -> None:
-        """Protect ``req``'s matched prefix from eviction (moves it out of evictable)."""
+        """Protect ``req``'s matched prefix from eviction (moves it out of evictable).
+
+        A prefix that continues on the host tier is first loaded back into device slots (a
+        copy queued for the next batch) and then locked whole: ``prefix_indices``,
+        ``last_node`` and ``loaded_len`` grow by it. If the device pool is too short for it,
+        those tokens are computed instead."""
         self.tree.inc_lock_ref(req.last_node)
+        nodes, req.host_nodes = req.host_nodes, []
+        if nodes and self.hicache.load_back(nodes):
+            result = self.hicache.match_prefix(self.key(req, req.max_prefix_len()))
+            self.tree.inc_lock_ref(result.last_node)
+            self.tree.dec_lock_ref(req.last_node)
+            req.loaded_len = len(result.indices) - req.tree_len
+            req.prefix_indices, req.last_node = result.indices, result.last_node
 
     def unlock(self, req: Req) -> None:
         self.tree.dec_lock_ref(req.last_node)
@@ -135,6 +167,11 @@ class CacheManager:
                 self.rows.write(r.req_pool_idx, r.cached_len, slots[offset : offset + r.extend_len])
                 offset += r.extend_len
         return slots
+
+    def take_kv_copies(self):
+        """The host<->device copies queued since the last batch, for the batch being built:
+        ``(kv_store, kv_load)`` as ``ForwardBatch`` takes them. Clears the queue."""
+        return (None, None) if self.hicache is None else self.hicache.take_copies()
 
     # ------------------------------------------------------------------ hand-over
     def _slots(self, req: Req) -> torch.Tensor:
@@ -217,3 +254,5 @@ class CacheManager:
             assert torch.equal(row, r.prefix_indices.to(row.dtype)), f"{r!r}: row != prefix"
         if not holders:
             assert self.tree.protected_size() == 0, "a lock outlived its request"
+        if self.hicache is not None:
+            self.hicache.check_tiers()

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority", "routing-key")
 EVICTION_POLICIES = ("lru", "lfu", "slru", "priority", "fifo", "filo", "mru")
+WRITE_POLICIES = ("write_through", "write_back")  # hierarchical cache
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,16 @@ class SchedulerConfig:
     # Overlap scheduling: build and submit batch N+1 while batch N runs (see scheduler.py).
     disable_overlap_schedule: bool = False
     random_seed: int = 0  # for the `random` queue policy
+    # Constrained decoding (constrained.py): skip decode steps for text the grammar forces,
+    # and give up on a grammar whose compilation takes longer than this (seconds).
+    disable_jump_forward: bool = False
+    grammar_compile_timeout: float = 30.0
+    # Hierarchical cache (hicache.py): a host-memory tier under the radix tree. The host pool
+    # holds hicache_ratio x the device pool's tokens, or hicache_size GB per rank when > 0.
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: float = 0.0
+    hicache_write_policy: str = "write_through"  # or write_back: copy on device eviction
 
     def __post_init__(self):
         def check(ok: bool, name: str, msg: str) -> None:
@@ -64,9 +75,21 @@ class SchedulerConfig:
         check(self.radix_eviction_policy in EVICTION_POLICIES, "radix_eviction_policy",
               f"must be one of {', '.join(EVICTION_POLICIES)}")
         for name in ("disable_radix_cache", "enable_mixed_chunk", "debug_invariants",
-                     "disable_overlap_schedule"):
+                     "disable_overlap_schedule", "disable_jump_forward"):
             check(isinstance(getattr(self, name), bool), name, "must be true or false")
         check(is_int(self.random_seed), "random_seed", "must be an integer")
+        check(isinstance(self.grammar_compile_timeout, (int, float))
+              and not isinstance(self.grammar_compile_timeout, bool)
+              and self.grammar_compile_timeout > 0, "grammar_compile_timeout",
+              "must be a positive number of seconds")
+        check(isinstance(self.enable_hierarchical_cache, bool), "enable_hierarchical_cache",
+              "must be true or false")
+        for name in ("hicache_ratio", "hicache_size"):
+            value = getattr(self, name)
+            check(isinstance(value, (int, float)) and not isinstance(value, bool)
+                  and value >= 0, name, "must be a number >= 0")
+        check(self.hicache_write_policy in WRITE_POLICIES, "hicache_write_policy",
+              f"must be one of {', '.join(WRITE_POLICIES)}")
 
     @property
     def chunk_size(self) -> int | None:

@@ -17,8 +17,11 @@ from .token_ratio import RETRACT_DECODE_STEPS
 
 
 def decode_slots_needed(reqs: list[Req], cache: CacheManager, steps: int = 1) -> int:
-    """Slots ``reqs`` need for ``steps`` more decode steps (fewer if they stop sooner)."""
-    return sum(cache.slots_needed(r.cached_len, max(min(steps, r.remaining_new_tokens()), 1))
+    """Slots ``reqs`` need for ``steps`` more decode steps (fewer if they stop sooner), plus
+    the tokens a jump-forward appended beyond the one a decode step feeds (they are computed
+    as an extend in the next step; see constrained.py)."""
+    return sum(cache.slots_needed(r.cached_len, max(min(steps, r.remaining_new_tokens()), 1)
+                                  + max(r.total_len - r.cached_len - 1, 0))
                for r in reqs)
 
 

@@ -16,6 +16,7 @@ forbids; the schema's grammar is narrowed here (see ``_LOOSE_JSON_CHAR``).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -79,13 +80,23 @@ def _grammar(kind: str, text: str) -> xgr.Grammar:
 def validate_grammar(kind: str, text) -> None:
     """Raise ``GrammarError`` naming the problem if ``text`` is not a valid ``kind`` grammar.
 
-    Parsing only, no tokenizer needed. A grammar that passes could in rare cases still fail
-    to compile; that request then finishes with an error from the scheduler."""
+    Parsing only, no tokenizer needed; verdicts are cached (a schema is usually sent many
+    times, and both the HTTP layer and the scheduler check it). A grammar that passes could in
+    rare cases still fail to compile; that request then finishes with an error from the
+    scheduler."""
     text = _normalize(kind, text)
+    problem = _parse_problem(kind, text)
+    if problem is not None:
+        raise GrammarError(kind, problem)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse_problem(kind: str, text: str) -> str | None:
     try:
         _grammar(kind, text)
     except Exception as exc:  # xgrammar raises RuntimeError and its own subclasses
-        raise GrammarError(kind, _problem(exc)) from None
+        return _problem(exc)
+    return None
 
 
 # ---------------------------------------------------------------------- compilation
@@ -102,6 +113,15 @@ class GrammarFuture:
         """True once ``result()`` returns or raises without waiting (compiled, failed, or past
         the deadline). Never blocks."""
         return self._future.done() or time.monotonic() >= self._deadline
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` (never past the deadline) for ``done()``; returns it. For a
+        scheduler with nothing else to do, instead of spinning."""
+        try:
+            self._future.result(timeout=max(min(timeout_s, self._deadline - time.monotonic()), 0))
+        except Exception:  # timed out, or failed: either way done() tells
+            pass
+        return self.done()
 
     def result(self, wait: bool = False) -> xgr.CompiledGrammar:
         """The compiled grammar. Raises ``GrammarError`` if compilation failed or timed out, and
@@ -129,6 +149,7 @@ class GrammarBackend:
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size,
             stop_token_ids=list(stop_token_ids) if stop_token_ids else None)
+        self.tokenizer = tokenizer  # jump-forward re-tokenizes with it
         self.tokenizer_info = info
         self.vocab = GrammarVocab(info, vocab_size, getattr(tokenizer, "all_special_ids", ()))
         # xgrammar's own cache is off: ours below also shares compilations in flight.

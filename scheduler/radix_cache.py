@@ -34,6 +34,14 @@ from .eviction_policy import EvictionQueue
 _BYTES_PER_TOKEN = 4  # token ids are packed as native int32
 
 
+def _head(slots: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    return None if slots is None else slots[:n]
+
+
+def _tail(slots: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    return None if slots is None else slots[n:]
+
+
 def _pack(token_ids: list) -> bytes:
     try:
         return struct.pack(f"={len(token_ids)}i", *token_ids)
@@ -90,10 +98,12 @@ class RadixKey:
 
 
 class TreeNode:
-    """One edge of the tree: ``key`` tokens whose KV lives in slots ``value``."""
+    """One edge of the tree: ``key`` tokens whose KV lives in slots ``value``. With the
+    hierarchical cache (``hicache.py``) ``host_value`` holds the host-tier slots of a copy, and
+    ``value`` is None while the KV is on the host only."""
 
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access_time",
-                 "creation_time", "hit_count", "priority", "id")
+    __slots__ = ("children", "parent", "key", "value", "host_value", "lock_ref",
+                 "last_access_time", "creation_time", "hit_count", "priority", "id")
     _ids = itertools.count()
 
     def __init__(self, key: RadixKey | None = None, value: torch.Tensor | None = None,
@@ -102,6 +112,7 @@ class TreeNode:
         self.parent = parent
         self.key = key
         self.value = value
+        self.host_value: torch.Tensor | None = None
         self.lock_ref = 0
         self.last_access_time = time
         self.creation_time = time
@@ -249,6 +260,7 @@ class RadixCache:
             self._evictable.discard(node)
             self._evictable.add(leaf)
             self._evictable_size += n - matched
+            self._on_new_leaf(leaf)
         else:
             self._evictable.rescore(node)
         return matched
@@ -307,14 +319,16 @@ class RadixCache:
     def _split(self, child: TreeNode, length: int) -> TreeNode:
         """Cut ``child``'s edge after ``length`` tokens; the new upper node is returned and
         ``child`` keeps the rest (and its children, lock and leaf status)."""
-        upper = TreeNode(child.key[:length], child.value[:length], child.parent,
+        upper = TreeNode(child.key[:length], _head(child.value, length), child.parent,
                          child.creation_time, child.priority)
+        upper.host_value = _head(child.host_value, length)
         upper.last_access_time = child.last_access_time
         upper.lock_ref = child.lock_ref
         upper.hit_count = child.hit_count
         child.parent.children[self._child_key(upper.key)] = upper
         child.key = child.key[length:]
-        child.value = child.value[length:]
+        child.value = _tail(child.value, length)
+        child.host_value = _tail(child.host_value, length)
         child.parent = upper
         upper.children[self._child_key(child.key)] = child
         return upper
@@ -333,8 +347,7 @@ class RadixCache:
         while node is not self.root:
             if node.lock_ref == 0:
                 moved += node.value.shape[0]
-                if not node.children:
-                    self._evictable.discard(node)
+                self._evictable.discard(node)  # a no-op unless it was an evictable leaf
             node.lock_ref += 1
             node = node.parent
         self._evictable_size -= moved
@@ -351,7 +364,7 @@ class RadixCache:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 moved += node.value.shape[0]
-                if not node.children:
+                if self._device_leaf(node):
                     self._evictable.add(node)
             node = node.parent
         self._evictable_size += moved
@@ -399,6 +412,13 @@ class RadixCache:
         self._init_tree()
 
     # ---- helpers -----------------------------------------------------------------------------
+
+    def _device_leaf(self, node: TreeNode) -> bool:
+        """Whether ``node`` may be evicted once unlocked (HiRadixCache: no child on the device)."""
+        return not node.children
+
+    def _on_new_leaf(self, leaf: TreeNode) -> None:
+        """Called by ``insert`` for each leaf it creates (HiRadixCache: write-through copy)."""
 
     def _child_key(self, key: RadixKey):
         return key.extra_key, key.packed[: self.page_size * _BYTES_PER_TOKEN]

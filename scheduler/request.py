@@ -92,6 +92,9 @@ class Req:
         self.output_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
         self.to_abort: str | None = None  # abort asked; acted on when no batch holds the req
+        # Constrained decoding: the GrammarState over output_ids (see constrained.py), set
+        # once the grammar has compiled; None for a free request.
+        self.grammar = None
 
         # KV state (see the module docstring)
         self.req_pool_idx: int | None = None
@@ -102,10 +105,15 @@ class Req:
         # Set when the row changed under the worker's mirror of it (see CacheManager.
         # cache_unfinished): the next batch carries the whole prefix, even for a decode step.
         self.resend_prefix = False
+        # Hierarchical cache: host-only nodes continuing the matched prefix (set by match,
+        # loaded back by lock), and how many prefix tokens the last lock loaded from the host.
+        self.host_nodes: list = []
+        self.loaded_len = 0
 
         # Accounting: prompt tokens served from the cache that this request had not computed
         # itself (SGLang's cached_tokens), and how many tokens it has computed so far.
         self.cached_tokens = 0
+        self.host_cached_tokens = 0  # of cached_tokens, those loaded from the host tier
         self.computed_len = 0
         self.num_retractions = 0
 
@@ -174,6 +182,8 @@ class Req:
         self.cached_len = 0
         self.extend_len = 0
         self.resend_prefix = False
+        self.host_nodes = []
+        self.loaded_len = 0
 
     def __repr__(self) -> str:
         return (f"Req({self.rid!r}, prompt={self.prompt_len}, out={len(self.output_ids)}, "
@@ -191,6 +201,7 @@ class RequestOutput:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    host_cached_tokens: int = 0  # of cached_tokens, those loaded from the host tier
     # New entries this step (only with return_logprob): (logprob, token id).
     output_token_logprobs: list[LogprobEntry] = field(default_factory=list)
     output_top_logprobs: list[list[LogprobEntry]] = field(default_factory=list)

@@ -17,8 +17,9 @@ submitted, so batch N+1 can be built and submitted while batch N still runs; its
 whose tokens N has not returned yet are future references (``batch.decode_input_ids``) that the
 worker resolves. N's results are processed while N+1 runs. A request N finishes has one wasted
 step in N+1, which is skipped when its results come. Only decode-only successors overlap: a
-prefill, a retraction, penalties (they need the newest token) or an empty batch first wait for
-the batch in flight.
+prefill, a retraction, penalties (they need the newest token), a constrained request (the
+grammar barrier: its next mask needs the newest token accepted) or an empty batch first wait
+for the batch in flight. Constrained decoding and jump-forward: see constrained.py.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ..worker.forward_batch import ForwardOutput
 from .batch import ScheduleBatch
 from .cache_manager import CacheManager
 from .config import SchedulerConfig
+from .constrained import check_constraint, make_constrained, split_extends
 from .decode import decode_slots_needed, make_room_for_decode
 from .policy import InBatchPrefixSharing, QueueView, make_policy
 from .prefill_adder import AddResult, PrefillAdder
@@ -51,22 +53,28 @@ class SchedulerStats:
     num_aborted: int = 0
     prompt_tokens: int = 0  # of finished requests
     cached_tokens: int = 0  # of finished requests
+    host_cached_tokens: int = 0  # of cached_tokens, those loaded from the host tier
     generated_tokens: int = 0
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, runner, *, eos_token_ids=(),
-                 decode: Decode | None = None, vocab_size: int | None = None):
+                 decode: Decode | None = None, vocab_size: int | None = None, tokenizer=None):
         """``runner`` has ``forward(ForwardBatch) -> ForwardOutput`` and the pool sizes it
         allocated: ``max_total_tokens``, ``max_running_requests``, ``max_context_len``.
-        ``decode(ids) -> str`` is needed for stop strings."""
+        ``decode(ids) -> str`` is needed for stop strings, a Hugging Face ``tokenizer`` for
+        constrained decoding (regex, json_schema, ebnf)."""
         self.config = config
         self.runner = runner
         self.max_context_len = runner.max_context_len
         self.vocab_size = vocab_size
         self.cache = CacheManager(runner.max_total_tokens, runner.max_running_requests,
                                   runner.max_context_len, config.page_size,
-                                  config.radix_eviction_policy, config.disable_radix_cache)
+                                  config.radix_eviction_policy, config.disable_radix_cache,
+                                  # the host tier's size is the runner's: it holds the data
+                                  getattr(runner, "host_pool_tokens", 0)
+                                  if config.enable_hierarchical_cache else 0,
+                                  config.hicache_write_policy)
         self.policy = make_policy(config.schedule_policy, config.random_seed)
         self.ratio = NewTokenRatio(config.schedule_conservativeness)
         self.stop = StopChecker(eos_token_ids, decode, self.max_context_len)
@@ -80,22 +88,26 @@ class Scheduler:
         self.overlap = (not config.disable_overlap_schedule and hasattr(runner, "submit")
                         and hasattr(runner, "result"))
         self._inflight: tuple[ScheduleBatch, object] | None = None  # (batch, runner handle)
+        self.grammars = None if tokenizer is None else make_constrained(
+            tokenizer, vocab_size or len(tokenizer), eos_token_ids, self.max_context_len,
+            config.grammar_compile_timeout, not config.disable_jump_forward)
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, req: Req) -> None:
         """Queue ``req``. Raises ValueError naming the field for a request that can never run."""
         self.validate_request(req)
         self.live[req.rid] = req
-        self.waiting.append(req)
+        if req.sampling_params.constraint is not None:
+            self.grammars.add(req)  # joins the waiting queue once its grammar has compiled
+        else:
+            self.waiting.append(req)
 
     def validate_request(self, req: Req) -> None:
         """Raise ValueError("<field>: ...") if ``req`` can never run here. Mutates nothing."""
         if req.rid in self.live:
             raise ValueError(f"rid: {req.rid!r} is already in use")
         req.sampling_params.verify(self.vocab_size)
-        if req.sampling_params.constraint is not None:
-            kind = req.sampling_params.constraint[0]
-            raise ValueError(f"{kind}: constrained decoding is not wired into the scheduler yet")
+        check_constraint(req.sampling_params, self.grammars)
         if req.sampling_params.stop and self.stop.decode is None:
             raise ValueError("stop: stop strings need a tokenizer (decode) in the scheduler")
         if self.vocab_size is not None and max(req.origin_input_ids) >= self.vocab_size:
@@ -113,8 +125,9 @@ class Scheduler:
         req = self.live.get(rid)
         if req is None:
             return False
-        if req in self.waiting:
-            self.waiting.remove(req)
+        if req in self.waiting or (self.grammars is not None and self.grammars.remove(req)):
+            if req in self.waiting:
+                self.waiting.remove(req)
             req.finish_reason = FinishReason.abort(message)
             self._emit(req, [])
             self._retire(req)
@@ -129,6 +142,8 @@ class Scheduler:
     def step(self) -> list[RequestOutput]:
         """Run one forward step (if there is anything to run) and return the outputs that
         are ready: this step's, or under overlap scheduling the previous step's."""
+        if self.grammars is not None and self.grammars.queue:
+            self._poll_grammars()
         if self.overlap:
             self._step_overlapped()
         else:
@@ -159,7 +174,8 @@ class Scheduler:
         """True when the next batch is a decode of the running set that needs neither the
         in-flight tokens' values on this side nor a retraction."""
         return (not self.waiting and self.chunked_req is None and bool(self.running)
-                and not any(r.sampling_params.has_penalties for r in self.running)
+                and not any(r.sampling_params.has_penalties or r.grammar is not None
+                            for r in self.running)
                 and decode_slots_needed(self.running, self.cache)
                 <= self.cache.available_and_evictable())
 
@@ -168,6 +184,19 @@ class Scheduler:
             batch, handle = self._inflight
             self._inflight = None
             self.process_output(batch, self.runner.result(handle))
+
+    def _poll_grammars(self) -> None:
+        """Requests whose grammar has compiled join the waiting queue (text it forces at the
+        start is sent now); those whose compilation failed finish with an abort reason."""
+        idle = not (self.running or self.waiting or self.chunked_req or self._inflight)
+        for req, new_ids in self.grammars.poll(idle):
+            if new_ids or req.finished:
+                self.stats.generated_tokens += len(new_ids)
+                self._emit(req, new_ids)
+            if req.finished:
+                self._retire(req)
+            else:
+                self.waiting.append(req)
 
     def flush_cache(self) -> bool:
         """Empty the radix cache; refused (False) while any request is live."""
@@ -183,6 +212,8 @@ class Scheduler:
         self._merge_last_prefill()
         self._reap_aborted()
         batch = self._prefill_batch() or self._decode_batch()
+        if batch is not None and self.grammars is not None:
+            self.grammars.fill_mask(batch)
         self.last_batch = batch
         if batch is None and not self.running:
             self.ratio.on_idle()
@@ -191,9 +222,10 @@ class Scheduler:
     def _merge_last_prefill(self) -> None:
         """Requests whose prompt is now complete join the running (decoding) set."""
         last, self.last_batch = self.last_batch, None
-        if last is not None:
-            self.running += [r for r in last.prefill
-                             if not r.finished and r is not self.chunked_req]
+        if last is not None:  # (a running request that extended after a jump is there)
+            running = {id(r) for r in self.running}
+            self.running += [r for r in last.prefill if not r.finished
+                             and r is not self.chunked_req and id(r) not in running]
 
     def _reap_aborted(self) -> None:
         for req in [*self.running, self.chunked_req]:
@@ -240,15 +272,17 @@ class Scheduler:
         self.waiting = [r for r in self.waiting if id(r) not in done]
         for req in admitted:
             self.cache.assign_row(req)
-            req.cached_tokens += max(req.tree_len - req.computed_len, 0)
+            gained = max(req.tree_len - req.computed_len, 0)
+            req.cached_tokens += gained
+            req.host_cached_tokens += min(gained, req.loaded_len)  # the loaded part is last
         if adder.new_chunked_req is not None:
             assert self.chunked_req is None, "two chunked requests at once"
             self.chunked_req = adder.new_chunked_req
-        decode = list(self.running) if mixed else []
+        extend, decode = split_extends(self.running) if mixed else ([], [])
         if mixed:
             self.stats.num_mixed_batches += 1
         self.stats.num_prefill_batches += 1
-        return ScheduleBatch.build(adder.can_run, decode, self.cache)
+        return ScheduleBatch.build(adder.can_run + extend, decode, self.cache)
 
     def _decode_batch(self) -> ScheduleBatch | None:
         if not self.running:
@@ -257,6 +291,8 @@ class Scheduler:
         if room.retracted:
             self.waiting[:0] = sorted(room.retracted, key=lambda r: r.arrival)
             self.stats.num_retracted += len(room.retracted)
+            if self.grammars is not None:
+                self.grammars.on_retract(room.retracted)
             self.ratio.on_retract(self.running)
         else:
             self.ratio.on_decode_step()
@@ -266,7 +302,7 @@ class Scheduler:
         if not self.running:
             return None
         self.stats.num_decode_batches += 1
-        return ScheduleBatch.build([], list(self.running), self.cache)
+        return ScheduleBatch.build(*split_extends(self.running), self.cache)
 
     # ------------------------------------------------------------------ results
     def advance(self, batch: ScheduleBatch) -> None:
@@ -308,6 +344,9 @@ class Scheduler:
                 req.output_ids.append(next_ids[i])
                 self.stats.generated_tokens += 1
                 req.finish_reason = self.stop.check(req)
+                if req.grammar is not None:  # accept it; may finish the request or jump
+                    new_ids = self.grammars.on_token(req)
+                    self.stats.generated_tokens += len(new_ids) - 1
             if req.to_abort is not None and not req.finished:
                 req.finish_reason = FinishReason.abort(req.to_abort)
             self._emit(req, new_ids, output, i, input_logprobs_done)
@@ -343,7 +382,7 @@ class Scheduler:
     def _emit(self, req: Req, new_ids: list[int], output: ForwardOutput | None = None,
               i: int = 0, input_logprobs_done: bool = False) -> None:
         out = RequestOutput(req.rid, new_ids, req.finished, req.finish_reason, req.prompt_len,
-                            req.cached_tokens, len(req.output_ids))
+                            req.cached_tokens, len(req.output_ids), req.host_cached_tokens)
         if req.return_logprob and new_ids and output is not None:
             if output.next_token_logprobs is not None:
                 out.output_token_logprobs = [(float(output.next_token_logprobs[i]), new_ids[0])]
@@ -366,6 +405,7 @@ class Scheduler:
         self.stats.num_aborted += req.finish_reason.type == "abort"
         self.stats.prompt_tokens += req.prompt_len
         self.stats.cached_tokens += req.cached_tokens
+        self.stats.host_cached_tokens += req.host_cached_tokens
 
     # ------------------------------------------------------------------ introspection
     def check_invariant(self) -> None:
@@ -379,6 +419,7 @@ class Scheduler:
         return {
             "num_running_reqs": len(self.running) + (self.chunked_req is not None),
             "num_queue_reqs": len(self.waiting),
+            "num_grammar_queue_reqs": len(self.grammars.queue) if self.grammars else 0,
             "token_usage": used / pool,
             "cache_hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
             "new_token_ratio": self.ratio.value,
@@ -387,6 +428,7 @@ class Scheduler:
             "prompt_tokens_total": s.prompt_tokens,
             "generation_tokens_total": s.generated_tokens,
             "cached_tokens_total": s.cached_tokens,
+            "host_cached_tokens_total": s.host_cached_tokens,
             "num_requests_total": s.num_finished,
             "num_aborted_requests_total": s.num_aborted,
             "num_retracted_reqs_total": s.num_retracted,

@@ -62,13 +62,19 @@ def reference_input_logprobs(prompt: list[int], start: int) -> list[tuple]:
 
 class FakeRunner:
     def __init__(self, max_total_tokens: int = 4096, max_running_requests: int = 64,
-                 max_context_len: int = 16384, page_size: int = 1, vocab: int = VOCAB):
+                 max_context_len: int = 16384, page_size: int = 1, vocab: int = VOCAB,
+                 host_pool_tokens: int = 0):
         self.max_total_tokens = max_total_tokens
         self.max_running_requests = max_running_requests
         self.max_context_len = max_context_len
         self.vocab = vocab
         num_slots = (max_total_tokens // page_size + 1) * page_size
         self.kv = torch.full((num_slots,), -1, dtype=torch.int64)
+        # hierarchical cache: the host tier, same fake KV (token id per slot)
+        self.host_pool_tokens = host_pool_tokens
+        self.host_kv = torch.full(((host_pool_tokens // page_size + 1) * page_size,), -1,
+                                  dtype=torch.int64)
+        self.tokens_stored = self.tokens_loaded = 0
         self.table = torch.zeros((max_running_requests + 1, max_context_len), dtype=torch.int64)
         self.future = torch.full((max_running_requests + 1,), -1, dtype=torch.int64)  # per row
         self.batches: list[ForwardBatch] = []
@@ -80,6 +86,16 @@ class FakeRunner:
         self.num_forward += 1
         if self.keep_batches:
             self.batches.append(batch)
+        if batch.kv_store is not None:  # tier copies first: stores, then loads
+            device, host = batch.kv_store
+            assert bool((self.kv[device] >= 0).all()), "stored a device slot never written"
+            self.host_kv[host] = self.kv[device]
+            self.tokens_stored += len(host)
+        if batch.kv_load is not None:
+            host, device = batch.kv_load
+            assert bool((self.host_kv[host] >= 0).all()), "loaded a host slot never written"
+            self.kv[device] = self.host_kv[host]
+            self.tokens_loaded += len(host)
         n = batch.batch_size
         assert int(batch.extend_lens.sum()) == batch.num_tokens == len(batch.out_cache_loc)
         assert len(batch.sampling_params) == n and len(batch.prefix_slot_lens) == n

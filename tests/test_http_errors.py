@@ -127,13 +127,21 @@ def test_bad_inputs_then_a_good_request(client, engine):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 
 
-def test_engine_rejection_is_a_400(client):
-    """What only the scheduler checks (here: constrained decoding it does not support yet, or
-    any other rejection) still comes back as a 400 naming the field, streamed or not."""
-    r = client.post("/generate", json={"text": "a", "sampling_params": {"regex": "[ab]+"}})
-    if r.status_code == 200:
-        pytest.skip("the scheduler supports regex now: nothing to reject")
-    assert r.status_code == 400 and r.json()["error"]["message"].startswith("regex")
+def test_engine_rejection_is_a_400(server, engine):
+    """What only the scheduler checks (here: a rid already live) still comes back as a 400
+    naming the field, and the first request is unharmed."""
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        with c.stream("POST", "/generate", json={"text": "x", "stream": True, "rid": "same",
+                                                 "sampling_params": LONG}) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line).startswith("data: ")
+            dup = c.post("/generate", json={"text": "y", "rid": "same",
+                                            "sampling_params": {"max_new_tokens": 2}})
+            assert dup.status_code == 400, dup.text
+            assert dup.json()["error"]["message"].startswith("rid")
+            assert engine.call_sync(lambda s: len(s.live)) == 1
+    wait_idle(engine)
+    assert engine.check_invariant() == 0
 
 
 def test_disconnect_mid_stream_frees_the_request(server, engine):

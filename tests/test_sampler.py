@@ -371,3 +371,12 @@ def test_bad_input_names_the_field():
                                               vocab_mask=torch.zeros(1, 1, dtype=torch.int32)))
     with pytest.raises(ValueError, match="^logits"):
         sampler(torch.zeros(2, 8), make_batch([SamplingParams()]))
+
+
+def test_mask_allowing_only_tokens_past_the_vocab_is_rejected():
+    mask = torch.tensor([[0, 1 << 10]], dtype=torch.int32)  # token 42 only; the vocab is 40
+    with pytest.raises(ValueError, match="^vocab_mask: row 0 allows no token"):
+        Sampler()(torch.zeros(1, 40), make_batch([SamplingParams()], vocab_mask=mask))
+    mask = torch.tensor([[0, 1 << 7]], dtype=torch.int32)  # token 39, the last one
+    out = Sampler()(torch.zeros(1, 40), make_batch([SamplingParams()], vocab_mask=mask))
+    assert out.next_token_ids.tolist() == [39]

@@ -47,6 +47,11 @@ class ForwardBatch:
     input_logprob_starts: torch.Tensor | None = None  # [B] int64
     # Token bitmask from grammars, [B, ceil(V/32)] int32, or None when no request is constrained.
     vocab_mask: torch.Tensor | None = None
+    # Hierarchical cache: KV copies the worker runs before the forward, stores first (this
+    # batch may reuse the device slots they read), then loads. (device slots, host slots) to
+    # copy device -> host, and (host slots, device slots) to copy host -> device; int64.
+    kv_store: tuple[torch.Tensor, torch.Tensor] | None = None
+    kv_load: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def batch_size(self) -> int:

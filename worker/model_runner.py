@@ -16,6 +16,7 @@ import torch
 from ..kernels import pick_attention_backend
 from .attention import AttentionMetadata, KVCache, create_attention_backend
 from .forward_batch import ForwardBatch, ForwardOutput
+from .host_pool import HostKVPool, host_pool_tokens
 from .loader import load_weights
 from .model_config import ModelConfig
 from .models import MODEL_REGISTRY
@@ -43,6 +44,11 @@ class RunnerConfig:
     tp_rank: int = 0
     tp_size: int = 1
     seed: int = 0
+    # Hierarchical cache: a host pool of hicache_ratio x max_total_tokens tokens, or of
+    # hicache_size GB when > 0 (see host_pool.py); the scheduler reads host_pool_tokens.
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: float = 0.0
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -71,6 +77,15 @@ class ModelRunner:
         num_slots = (self.max_total_tokens // cfg.page_size + 1) * cfg.page_size
         self.kv = KVCache(mc.num_layers, num_slots, kv_heads, mc.head_dim, dtype, self.device,
                           self.max_running_requests, self.max_context_len)
+        self.host_pool: HostKVPool | None = None
+        if cfg.enable_hierarchical_cache:
+            tokens = host_pool_tokens(
+                self.max_total_tokens, KVCache.bytes_per_token(mc.num_layers, kv_heads,
+                                                               mc.head_dim, dtype),
+                cfg.hicache_ratio, cfg.hicache_size, cfg.page_size)
+            self.host_pool = HostKVPool.try_create(tokens, cfg.page_size, mc.num_layers,
+                                                   kv_heads, mc.head_dim, dtype, self.device)
+        self.host_pool_tokens = self.host_pool.num_tokens if self.host_pool else 0
         self.attention_backend = pick_attention_backend(cfg.attention_backend, self.device)
         self.attn = create_attention_backend(self.attention_backend, device=self.device,
                                              model_config=mc)
@@ -134,6 +149,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        if batch.kv_store is not None or batch.kv_load is not None:
+            if self.host_pool is None:
+                raise RuntimeError("a batch carries KV tier copies but this runner has no "
+                                   "host pool (scheduler/runner configuration mismatch)")
+            self.host_pool.run_copies(self.kv, batch)  # before the graph path too
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.forward(batch)
         dev = self.device

@@ -1,0 +1,445 @@
+"""The hierarchical cache: a host-memory KV tier under the radix tree (scheduler/hicache.py,
+worker/host_pool.py) and the L3 storage interface (scheduler/hicache_storage.py).
+
+Scheduler tests run against FakeRunner, whose tokens are a hash of the context read back
+through the KV slots: a missing, late or misdirected tier copy changes the generated tokens.
+Engine tests run the tiny Llama and compare greedy outputs with the host tier on and off.
+Every scheduler checks the per-tier memory invariant after every step (debug_invariants).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from fake_runner import FakeRunner, OverlapFakeRunner, reference_tokens
+from radixray.cluster.metrics import EngineMetrics
+from radixray.scheduler.config import SchedulerConfig
+from radixray.scheduler.hicache import HiRadixCache
+from radixray.scheduler.hicache_storage import LocalDiskStorage, prefix_hashes
+from radixray.scheduler.memory_pool import TokenToKVPoolAllocator
+from radixray.scheduler.radix_cache import RadixKey
+from radixray.scheduler.request import Req
+from radixray.scheduler.scheduler import Scheduler
+from radixray.worker.attention import KVCache
+from radixray.worker.forward_batch import ForwardBatch
+from radixray.worker.host_pool import HostKVPool, host_pool_tokens
+from radixray.worker.sampling_params import SamplingParams
+
+
+# ---------------------------------------------------------------------------- the tree alone
+def make_tree(device=64, host=128, page=1, policy="write_through"):
+    return HiRadixCache(TokenToKVPoolAllocator(device, page), TokenToKVPoolAllocator(host, page),
+                        page, write_policy=policy)
+
+
+def insert(tree, tokens):
+    """Insert like a finished request: fresh device slots; our duplicates are freed."""
+    slots = tree.allocator.alloc(len(tokens))
+    already = tree.insert(RadixKey(tokens), slots)
+    tree.allocator.free(slots[:already])
+    return slots
+
+
+def test_write_through_copies_on_insert_and_eviction_keeps_the_node_on_host():
+    tree = make_tree()
+    slots = insert(tree, list(range(10)))
+    stores, loads = tree.take_copies()
+    assert torch.equal(stores[0], slots) and loads is None and tree.host_size() == 10
+    assert tree.evict(10) == 10
+    assert tree.total_size() == 0 and tree.host_size() == 10
+    result, host_nodes = tree.match_tiers(RadixKey(list(range(12))))
+    assert len(result.indices) == 0 and sum(len(n.key) for n in host_nodes) == 10
+    assert tree.take_copies() == (None, None)  # eviction of a backed-up node copies nothing
+    tree.check_tiers()
+
+
+def test_write_back_copies_only_on_eviction():
+    tree = make_tree(policy="write_back")
+    slots = insert(tree, list(range(10)))
+    assert tree.take_copies() == (None, None) and tree.host_size() == 0
+    tree.evict(10)
+    (device, host), loads = tree.take_copies()
+    assert torch.equal(device, slots) and len(host) == 10 and loads is None
+    tree.check_tiers()
+
+
+def test_load_back_gives_device_slots_and_queues_one_copy():
+    tree = make_tree()
+    insert(tree, list(range(8)))
+    host_slots = tree.match_prefix(RadixKey(list(range(8)))).last_node.host_value.clone()
+    tree.evict(8)
+    tree.take_copies()
+    result, host_nodes = tree.match_tiers(RadixKey(list(range(8)) + [99]))
+    tree.inc_lock_ref(result.last_node)
+    assert tree.load_back(host_nodes) == 8
+    stores, (host, device) = tree.take_copies()
+    assert stores is None and torch.equal(host, host_slots)
+    result = tree.match_prefix(RadixKey(list(range(8))))
+    assert torch.equal(result.indices, device) and tree.total_size() == 8
+    tree.check_tiers()
+
+
+def test_locked_parent_with_host_only_children_is_not_evicted():
+    tree = make_tree()
+    insert(tree, list(range(4)))
+    insert(tree, list(range(4)) + [7, 7, 7])
+    tree.evict(3)  # the [7, 7, 7] leaf goes to the host; its parent is now a device leaf
+    parent = tree.match_prefix(RadixKey(list(range(4)))).last_node
+    tree.inc_lock_ref(parent)
+    assert tree.evict(100) == 0 and tree.total_size() == 4
+    tree.dec_lock_ref(parent)
+    assert tree.evict(100) == 4
+    tree.check_tiers()
+
+
+def test_insert_over_host_only_nodes_adopts_the_new_slots():
+    tree = make_tree()
+    insert(tree, list(range(6)))
+    tree.evict(6)
+    tree.take_copies()
+    slots = tree.allocator.alloc(9)
+    # nothing on the device matched: the caller owns no duplicates, the tree took all 9
+    assert tree.insert(RadixKey(list(range(9))), slots) == 0
+    assert tree.total_size() == 9 and tree.host_size() == 9
+    (device, _), _ = tree.take_copies()
+    assert torch.equal(device, slots[6:])  # only the new leaf is copied out
+    tree.check_tiers()
+
+
+def test_host_pool_full_drops_unbacked_nodes_and_host_eviction_frees_lru():
+    tree = make_tree(device=32, host=8, policy="write_back")
+    insert(tree, [1] * 6)
+    insert(tree, [2] * 6)
+    tree.evict(6)  # [1]*6 goes to host (6 of 8 host slots)
+    tree.evict(6)  # [2]*6 needs 6: host eviction drops [1]*6 first
+    assert tree.stats.host_evicted == 6 and tree.host_size() == 6
+    assert tree.match_tiers(RadixKey([1] * 6))[1] == []
+    insert(tree, [3] * 10)  # longer than the whole host pool: cannot be backed up
+    tree.evict(10)
+    assert tree.stats.backup_failed == 10
+    assert tree.match_tiers(RadixKey([3] * 10))[1] == []  # dropped: it will be recomputed
+    tree.check_tiers()
+
+
+def test_check_tiers_catches_a_host_slot_leak():
+    tree = make_tree()
+    insert(tree, list(range(5)))
+    tree.host_allocator.alloc(3)  # taken, but nobody holds it
+    with pytest.raises(AssertionError, match="host slot leak"):
+        tree.check_tiers()
+
+
+def test_reset_frees_both_tiers():
+    tree = make_tree()
+    insert(tree, list(range(5)))
+    insert(tree, [9] * 4)
+    tree.evict(4)
+    tree.reset()
+    assert tree.allocator.available_size() == 64 and tree.host_allocator.available_size() == 128
+    assert tree.take_copies() == (None, None)
+
+
+# ---------------------------------------------------------------------------- the scheduler
+def multi_turn(runner_cls, policy="write_through", host=600, pool=300, page=1, turns=5,
+               convs=6, seed=0, **cfg):
+    """Conversations whose history (about 6 x 100 tokens by the end) outgrows the device
+    pool; every output is checked against the plain reference."""
+    runner = runner_cls(pool, 16, 4096, page, host_pool_tokens=host)
+    sched = Scheduler(SchedulerConfig(page_size=page, debug_invariants=True,
+                                      enable_hierarchical_cache=True,
+                                      hicache_write_policy=policy, **cfg), runner)
+    rng = random.Random(seed)
+    history = [[rng.randrange(1000) for _ in range(40)] for _ in range(convs)]
+    host_hits = 0
+    for turn in range(turns):
+        reqs = []
+        for c, h in enumerate(history):
+            h += [rng.randrange(1000) for _ in range(10)]
+            reqs.append(Req(f"t{turn}-{c}", list(h), SamplingParams(max_new_tokens=8)))
+        for r in reqs:
+            sched.add_request(r)
+        outs = {r.rid: [] for r in reqs}
+        while sched.has_work:
+            for o in sched.step():
+                outs[o.rid] += o.new_token_ids
+                host_hits += o.host_cached_tokens if o.finished else 0
+        for c, r in enumerate(reqs):
+            assert outs[r.rid] == reference_tokens(r.origin_input_ids, 8), r.rid
+            history[c] = r.origin_input_ids + outs[r.rid]
+    sched.check_invariant()
+    assert sched.cache.tree.protected_size() == 0
+    return sched, runner, host_hits
+
+
+@pytest.mark.parametrize("runner_cls", [FakeRunner, OverlapFakeRunner], ids=["sync", "overlap"])
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+@pytest.mark.parametrize("page", [1, 4])
+def test_multi_turn_history_comes_back_from_host(runner_cls, policy, page):
+    sched, runner, host_hits = multi_turn(runner_cls, policy, page=page)
+    _, plain, _ = multi_turn(runner_cls, policy, host=0, page=page)
+    assert sched.cache.hicache is not None
+    assert host_hits > 0 and runner.tokens_loaded >= host_hits
+    assert sched.metrics()["host_cached_tokens_total"] == host_hits
+    assert runner.tokens_computed < 0.6 * plain.tokens_computed  # history is not recomputed
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_tiny_host_pool_falls_back_to_recompute(policy):
+    sched, runner, _ = multi_turn(OverlapFakeRunner, policy, host=24)
+    assert sched.cache.hicache.stats.backup_failed > 0  # the host pool ran out, often
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_workload_with_chunks_retractions_and_aborts(seed):
+    """Shared and growing prefixes, aborts, small pools (retraction), chunked prefill, mixed
+    chunks, queue policies and page sizes drawn at random; outputs must equal the reference."""
+    rng = random.Random(seed)
+    page, pool = rng.choice([1, 2, 4]), rng.choice([120, 200, 400])
+    runner = rng.choice([FakeRunner, OverlapFakeRunner])(
+        pool, rng.choice([4, 16]), 4096, page, host_pool_tokens=rng.choice([16, 100, 1200]))
+    sched = Scheduler(SchedulerConfig(
+        page_size=page, debug_invariants=True, enable_hierarchical_cache=True,
+        hicache_write_policy=rng.choice(["write_through", "write_back"]),
+        schedule_policy=rng.choice(["fcfs", "lpm", "dfs-weight"]),
+        chunked_prefill_size=rng.choice([None, 16, 64]), enable_mixed_chunk=rng.random() < 0.3,
+        radix_eviction_policy=rng.choice(["lru", "lfu", "slru"])), runner)
+    bases = [[rng.randrange(1000) for _ in range(rng.randrange(10, 60))] for _ in range(5)]
+    reqs, outs, aborted = [], {}, set()
+    for _ in range(400):
+        if rng.random() < 0.3 and len(reqs) < 60:
+            base = rng.choice(bases)
+            prompt = (base[: rng.randrange(1, len(base) + 1)]
+                      + [rng.randrange(1000) for _ in range(rng.randrange(30))])[: pool - 20]
+            reqs.append(Req(f"r{len(reqs)}", prompt,
+                            SamplingParams(max_new_tokens=rng.randrange(1, 30))))
+            outs[reqs[-1].rid] = []
+            sched.add_request(reqs[-1])
+            if rng.random() < 0.3:
+                bases.append(prompt)  # a later turn extends this one
+        if rng.random() < 0.03 and sched.live:
+            rid = rng.choice(sorted(sched.live))
+            aborted.add(rid)
+            sched.abort(rid)
+        for o in sched.step():
+            outs[o.rid] += o.new_token_ids
+    while sched.has_work:
+        for o in sched.step():
+            outs[o.rid] += o.new_token_ids
+    sched.check_invariant()
+    for r in reqs:
+        if r.rid not in aborted and r.finish_reason.type != "abort":
+            assert outs[r.rid] == reference_tokens(r.origin_input_ids,
+                                                   r.sampling_params.max_new_tokens), r.rid
+
+
+def test_flag_off_or_no_host_pool_means_plain_radix_cache():
+    runner = FakeRunner(300, 16, 4096, host_pool_tokens=600)
+    assert Scheduler(SchedulerConfig(), runner).cache.hicache is None
+    runner = FakeRunner(300, 16, 4096)  # the runner could not allocate a host pool
+    sched = Scheduler(SchedulerConfig(enable_hierarchical_cache=True), runner)
+    assert sched.cache.hicache is None
+
+
+def test_flush_cache_empties_the_host_tier():
+    sched, _, _ = multi_turn(FakeRunner, turns=2)
+    assert sched.cache.hicache.host_size() > 0
+    assert sched.flush_cache()
+    host = sched.cache.hicache.host_allocator
+    assert sched.cache.hicache.host_size() == 0 and host.available_size() == host.size
+
+
+@pytest.mark.parametrize("field, value", [("hicache_write_policy", "later"),
+                                          ("hicache_ratio", -1), ("hicache_size", "big"),
+                                          ("enable_hierarchical_cache", "yes")])
+def test_bad_config_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SchedulerConfig(**{field: value})
+
+
+def test_serve_flags_reach_the_server_args():
+    from radixray.cluster.serve import add_serve_arguments, server_args_from
+
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    args = server_args_from(p.parse_args([
+        "--enable-hierarchical-cache", "--hicache-ratio", "3", "--hicache-size", "0.5",
+        "--hicache-write-policy", "write_back"]))
+    assert args["enable_hierarchical_cache"] is True and args["hicache_ratio"] == 3.0
+    assert args["hicache_size"] == 0.5 and args["hicache_write_policy"] == "write_back"
+
+
+def test_host_hit_counter_is_exported():
+    registry = CollectorRegistry()
+    metrics = EngineMetrics(registry, "m", 0)
+    metrics.update_scheduler_stats({"host_cached_tokens_total": 42})
+    assert registry.get_sample_value("radixray:host_cached_tokens_total",
+                                     {"model_name": "m", "replica": "0"}) == 42
+
+
+def test_http_meta_info_splits_cached_tokens(tiny_llama_path):
+    """The server path carries the split too: RequestOutput -> TokenOutput -> meta_info."""
+    from transformers import AutoTokenizer
+
+    from radixray.cluster.async_engine import to_token_output
+    from radixray.cluster.detokenizer import IncrementalDetokenizer
+    from radixray.cluster.engine_protocol import GenerateRequest
+    from radixray.cluster.generation import RequestState
+    from radixray.cluster.native_api import native_result
+    from radixray.scheduler.request import FinishReason, RequestOutput
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
+    state = RequestState(GenerateRequest("r", [5, 6, 7, 8], SamplingParams()),
+                         IncrementalDetokenizer(tokenizer))
+    state.apply(to_token_output(RequestOutput("r", [9], True, FinishReason.of_length(1), 4, 3,
+                                              1, host_cached_tokens=2), None))
+    meta = native_result(state, tokenizer, False)["meta_info"]
+    assert meta["cached_tokens"] == 3 and meta["cached_tokens_details"] == {"device": 1, "host": 2}
+
+
+# ---------------------------------------------------------------------------- the worker side
+def test_host_pool_round_trip_and_sizing():
+    kv = KVCache(3, 17, 2, 4, torch.float32, "cpu", 2, 8)
+    for k, v in zip(kv.k, kv.v):
+        k.normal_()
+        v.normal_()
+    pool = HostKVPool(32, 1, 3, 2, 4, torch.float32, torch.device("cpu"))
+    before = [(k[[3, 5, 9]].clone(), v[[3, 5, 9]].clone()) for k, v in zip(kv.k, kv.v)]
+    batch = ForwardBatch(*[torch.empty(0, dtype=torch.int64)] * 8, sampling_params=[],
+                         kv_store=(torch.tensor([3, 5, 9]), torch.tensor([30, 1, 7])))
+    pool.run_copies(kv, batch)
+    pool.load(kv, torch.tensor([30, 1, 7]), torch.tensor([12, 13, 14]))
+    for (k0, v0), k, v in zip(before, kv.k, kv.v):
+        assert torch.equal(k[[12, 13, 14]], k0) and torch.equal(v[[12, 13, 14]], v0)
+    assert host_pool_tokens(1000, 512, 2.0, 0, 4) == 2000
+    assert host_pool_tokens(1000, 512, 2.0, 1 / 1024, 64) == 2048 - 2048 % 64  # 1 MiB
+    assert HostKVPool.try_create(0, 1, 1, 1, 1, torch.float32, torch.device("cpu")) is None
+
+
+# ---------------------------------------------------------------------------- the engine
+def chat(engine, turns=4, convs=4, seed=1):
+    """Multi-turn chats (4 x ~130 tokens of history by the end, a 300-token device pool).
+    Returns every turn's results."""
+    rng = random.Random(seed)
+    history = [[rng.randrange(3, 2000) for _ in range(60)] for _ in range(convs)]
+    results = []
+    for _ in range(turns):
+        for h in history:
+            h += [rng.randrange(3, 2000) for _ in range(15)]
+        res = engine.generate(input_ids=[list(h) for h in history], sampling_params={
+            "max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+        for h, r in zip(history, res):
+            h += r["output_ids"]
+        results.append(res)
+    engine.scheduler.check_invariant()
+    return results
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(tiny_llama_path):
+    from radixray.cluster.engine import Engine
+
+    with Engine(tiny_llama_path, max_total_tokens=300) as engine:
+        results = chat(engine)
+        assert engine.scheduler.metrics()["host_cached_tokens_total"] == 0
+        return [[r["output_ids"] for r in turn] for turn in results]
+
+
+@pytest.mark.parametrize("args", [
+    {},
+    {"hicache_write_policy": "write_back"},
+    {"disable_overlap_schedule": True},
+    {"hicache_size": 4000 * 512 / 2**30},  # GB: 4000 tokens of the tiny model's KV
+], ids=["write_through", "write_back", "no_overlap", "size_gb"])
+def test_engine_outputs_match_and_history_hits_host(tiny_llama_path, plain_outputs, args):
+    from radixray.cluster.engine import Engine
+
+    with Engine(tiny_llama_path, max_total_tokens=300, enable_hierarchical_cache=True,
+                debug_invariants=True, **args) as engine:
+        results = chat(engine)
+        assert [[r["output_ids"] for r in turn] for turn in results] == plain_outputs
+        later = [r["meta_info"] for turn in results[1:] for r in turn]
+        assert all(m["cached_tokens_details"]["host"] > 0 for m in later)
+        assert all(m["cached_tokens_details"]["device"] + m["cached_tokens_details"]["host"]
+                   == m["cached_tokens"] for m in later)
+        expected = 4000 if "hicache_size" in args else 600
+        assert engine.runner.host_pool_tokens == expected
+
+
+def test_engine_tiny_host_pool_is_correct(tiny_llama_path, plain_outputs):
+    from radixray.cluster.engine import Engine
+
+    with Engine(tiny_llama_path, max_total_tokens=300, enable_hierarchical_cache=True,
+                hicache_ratio=0.1, debug_invariants=True) as engine:
+        results = chat(engine)
+        assert [[r["output_ids"] for r in turn] for turn in results] == plain_outputs
+        assert engine.scheduler.cache.hicache.stats.backup_failed > 0
+
+
+@pytest.mark.ray
+def test_tp2_workers_run_the_tier_copies(ray_session, tiny_llama_path, plain_outputs):
+    """Copies ride in the broadcast ForwardBatch: every rank moves its own KV shard."""
+    from radixray.cluster.worker_group import WorkerGroup
+    from radixray.worker.model_runner import RunnerConfig
+
+    group = WorkerGroup(RunnerConfig(tiny_llama_path, max_total_tokens=300,
+                                     enable_hierarchical_cache=True), tp_size=2,
+                        step_timeout_s=60)
+    try:
+        sched = Scheduler(SchedulerConfig(enable_hierarchical_cache=True,
+                                          debug_invariants=True), group)
+        assert sched.cache.hicache.host_allocator.size == group.host_pool_tokens == 600
+
+        class SchedulerEngine:  # what chat() needs of an Engine
+            scheduler = sched
+
+            def generate(self, input_ids, sampling_params):
+                reqs = [Req(f"{id(ids)}-{i}", ids, SamplingParams.from_dict(sampling_params))
+                        for i, ids in enumerate(input_ids)]
+                outs = {r.rid: [] for r in reqs}
+                for r in reqs:
+                    sched.add_request(r)
+                while sched.has_work:
+                    for o in sched.step():
+                        outs[o.rid] += o.new_token_ids
+                return [{"output_ids": outs[r.rid]} for r in reqs]
+
+        results = chat(SchedulerEngine())
+        assert [[r["output_ids"] for r in turn] for turn in results] == plain_outputs
+        assert sched.stats.host_cached_tokens > 0
+    finally:
+        group.shutdown()
+
+
+# ---------------------------------------------------------------------------- L3 storage
+def test_prefix_hashes_chain_over_pages_and_extra_key():
+    a = prefix_hashes(list(range(10)), 4)
+    assert len(a) == 2  # the partial last page has no key
+    assert prefix_hashes(list(range(8)), 4) == a
+    assert prefix_hashes([0, 1, 2, 3, 9, 9, 9, 9], 4)[0] == a[0]
+    assert prefix_hashes([0, 1, 2, 3, 9, 9, 9, 9], 4)[1] != a[1]
+    assert prefix_hashes([5, 1, 2, 3, 4, 5, 6, 7], 4)[1] != a[1]  # a page depends on the past
+    assert prefix_hashes(list(range(8)), 4, extra_key="lora")[0] != a[0]
+    with pytest.raises(ValueError, match="page_size"):
+        prefix_hashes([1], 0)
+
+
+def test_local_disk_storage(tmp_path):
+    store = LocalDiskStorage(str(tmp_path / "l3"))
+    keys = prefix_hashes(list(range(12)), 4)
+    page = torch.randn(4, 2, 2, 3)
+    assert not store.exists(keys[0]) and store.get(keys[0]) is None
+    assert store.put(keys[0], page) and store.put(keys[1], page * 2)
+    assert store.exists(keys[0]) and torch.equal(store.get(keys[1]), page * 2)
+    assert store.matched_pages(keys) == 2
+    with open(os.path.join(store.root, keys[0] + ".pt"), "wb") as f:
+        f.write(b"not a tensor")
+    assert store.get(keys[0]) is None  # unreadable: a miss, never garbage
+    with pytest.raises(ValueError, match="key"):
+        store.get("../etc/passwd")
+    assert not [n for n in os.listdir(store.root) if n.endswith(".tmp")]
