@@ -75,10 +75,26 @@ def _run_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_train_demo_arguments(p: argparse.ArgumentParser) -> None:
+    from ..worker.train_demo import add_arguments
+
+    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    add_arguments(p)
+
+
+def _run_train_demo(args: argparse.Namespace) -> int:
+    from ..worker.train_demo import run
+
+    return run(args)
+
+
 # name -> (help, add_arguments, run)
 SUBCOMMANDS = {
     "make-model": ("write a tiny random-weight HF model folder with a trained tokenizer",
                    _add_make_model_arguments, _run_make_model),
+    "train-demo-model": ("train the built-in demo model (a small Llama) on Python's stdlib "
+                         "sources, ~10-15 minutes on 2 CPU cores",
+                         _add_train_demo_arguments, _run_train_demo),
     "serve": ("serve a model: replicas on Ray (local Ray unless --ray-address) behind the "
               "cache-aware router; OpenAI-compatible and SGLang-native APIs",
               _add_serve_arguments, _run_serve),

@@ -234,31 +234,47 @@ def make_model(out_dir: str, arch: str = "llama", hidden_size: int = 64, num_lay
     return out_dir
 
 
+# The trained demo model committed with the package (see train_demo.py).
+DEMO_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_model")
+
+
 def default_model_dir() -> str:
-    """Where the built-in demo model lives: ``$RADIXRAY_MODEL_DIR`` or the user cache."""
+    """Where a made default model lives: ``$RADIXRAY_MODEL_DIR`` or the user cache."""
     env = os.environ.get("RADIXRAY_MODEL_DIR")
     if env:
         return os.path.expanduser(env)
     return os.path.join(os.path.expanduser("~"), ".cache", "radixray", "models", "tiny-llama")
 
 
-def ensure_default_model() -> str:
-    """Make the default model (a tiny llama) if its folder lacks weights; returns its path.
+def _has_weights(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "model.safetensors"))
 
-    Written to a temporary sibling and renamed, so a concurrent reader never sees half a folder.
+
+def ensure_default_model() -> str:
+    """The built-in model's folder, made if missing; returns its path.
+
+    Without ``$RADIXRAY_MODEL_DIR`` that is the trained demo model shipped in the package, used
+    in place. Otherwise (or in a tree without ``demo_model/``) ``default_model_dir()``, filled
+    if it lacks weights with a copy of the demo model, else a random-weight tiny llama; written
+    to a temporary sibling and renamed, so a concurrent reader never sees half a folder.
     """
+    if not os.environ.get("RADIXRAY_MODEL_DIR") and _has_weights(DEMO_MODEL_DIR):
+        return DEMO_MODEL_DIR
     path = default_model_dir()
-    if os.path.isfile(os.path.join(path, "model.safetensors")):
+    if _has_weights(path):
         return path
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tiny-model-", dir=parent)
     try:
-        make_model(tmp, arch="llama")
+        if _has_weights(DEMO_MODEL_DIR):
+            shutil.copytree(DEMO_MODEL_DIR, tmp, dirs_exist_ok=True)
+        else:
+            make_model(tmp, arch="llama")
         try:
             os.replace(tmp, path)
         except OSError:  # another process won the race, or an empty folder is in the way
-            if os.path.isfile(os.path.join(path, "model.safetensors")):
+            if _has_weights(path):
                 return path
             shutil.rmtree(path, ignore_errors=True)
             os.replace(tmp, path)
