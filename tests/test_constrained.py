@@ -16,6 +16,7 @@ import threading
 import httpx
 import jsonschema
 import pytest
+from grammar_cases import ARITH, CALL, FIXED_KEYS, REGEXES, SCHEMAS, arith_ok
 from http_helpers import MODEL_NAME, ServerThread, make_engine, wait_idle
 
 from radixray.cluster import Engine
@@ -25,48 +26,6 @@ STOPS = (1, 4)  # the tiny model's eos_token_id list: <|eos|>, <|im_end|>
 MAX_NEW = 320
 PROMPTS = ["Reply with JSON:", "Fill in the form please", "Data:", "Give me an answer now."]
 
-SCHEMAS = {
-    "flat_required": {
-        "type": "object",
-        "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                       "score": {"type": "number"}, "ok": {"type": "boolean"}},
-        "required": ["name", "age", "score", "ok"],
-    },
-    "enum_and_optional": {
-        "type": "object",
-        "properties": {"color": {"enum": ["red", "green", "blue"]},
-                       "size": {"type": "integer", "minimum": 1, "maximum": 99},
-                       "note": {"type": "string", "maxLength": 12}},
-        "required": ["color"],
-    },
-    "nested": {
-        "type": "object",
-        "properties": {
-            "user": {"type": "object",
-                     "properties": {"id": {"type": "integer"},
-                                    "tags": {"type": "array", "items": {"type": "string"},
-                                             "maxItems": 3}},
-                     "required": ["id", "tags"]},
-            "active": {"type": "boolean"},
-        },
-        "required": ["user", "active"],
-    },
-    "array_of_objects": {
-        "type": "array",
-        "items": {"type": "object",
-                  "properties": {"x": {"type": "number"}, "kind": {"enum": ["a", "b", 3]}},
-                  "required": ["x", "kind"]},
-        "minItems": 1, "maxItems": 3,
-    },
-}
-FIXED_KEYS = {
-    "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 10},
-                   "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                   "color": {"enum": ["red", "green", "blue"]},
-                   "married": {"type": "boolean"}},
-    "required": ["name", "age", "color", "married"],
-}
 BOUNDED_NESTED = {  # every string and number bounded: outputs stay short
     "type": "object",
     "properties": {
@@ -83,20 +42,7 @@ LONG_KEYS = {"type": "object",
              "properties": {f"field_number_{w}": {"type": "boolean"}
                             for w in ("one", "two", "three", "four")},
              "required": [f"field_number_{w}" for w in ("one", "two", "three", "four")]}
-REGEXES = [r"\d{3}-\d{4}", r"(cat|dog)s? [a-z]{1,5}", r"[A-Z][a-z]{1,6}@example\.(com|org)",
-           r"(yes|no|maybe)"]
-ARITH = r"""
-root ::= expr
-expr ::= term (("+" | "-") term)*
-term ::= num | "(" expr ")"
-num ::= [1-9] [0-9]*
-"""
-CALL = r"""
-root ::= name "(" args? ")"
-name ::= "f" | "g" | "sum"
-args ::= num (", " num)*
-num ::= [0-9] | [1-9] [0-9]
-"""
+
 
 
 @pytest.fixture(scope="module")
@@ -177,20 +123,13 @@ def test_regex_outputs_full_match(any_engine, closing_bias):
         assert re.fullmatch(regex, assert_stopped(out)), (regex, out["text"])
 
 
-def _arith_ok(node) -> bool:
-    if isinstance(node, ast.BinOp):
-        return isinstance(node.op, (ast.Add, ast.Sub)) and _arith_ok(node.left) \
-            and _arith_ok(node.right)
-    return isinstance(node, ast.Constant) and isinstance(node.value, int) and node.value > 0
-
-
 def test_ebnf_outputs_parse(any_engine, closing_bias):
     grammars = [ARITH] * 4 + [CALL] * 4
     outs = run(any_engine, [constrained("ebnf", g, closing_bias, seed=i)
                             for i, g in enumerate(grammars)])
     for out in outs[:4]:
         text = assert_stopped(out)
-        assert re.fullmatch(r"[0-9+\-()]+", text) and _arith_ok(ast.parse(text, "e", "eval").body)
+        assert re.fullmatch(r"[0-9+\-()]+", text) and arith_ok(ast.parse(text, "e", "eval").body)
     for out in outs[4:]:
         assert re.fullmatch(r"(f|g|sum)\(((\d|[1-9]\d)(, (\d|[1-9]\d))*)?\)", assert_stopped(out))
 

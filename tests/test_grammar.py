@@ -15,6 +15,8 @@ import threading
 import jsonschema
 import pytest
 import torch
+from grammar_cases import ARITH, CALL, FIXED_KEYS, REGEXES, arith_ok
+from grammar_cases import SCHEMAS as SHARED_SCHEMAS
 
 from radixray.scheduler.grammar import (JSON_OBJECT_SCHEMA, GrammarBackend, GrammarError,
                                         validate_grammar)
@@ -96,41 +98,7 @@ def generate(backend, tokenizer, states, bias, *, jump: bool, seed: int = 0,
 
 
 # ---------------------------------------------------------------------- JSON schema
-SCHEMAS = {
-    "flat_required": {
-        "type": "object",
-        "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                       "score": {"type": "number"}, "ok": {"type": "boolean"}},
-        "required": ["name", "age", "score", "ok"],
-    },
-    "enum_and_optional": {
-        "type": "object",
-        "properties": {"color": {"enum": ["red", "green", "blue"]},
-                       "size": {"type": "integer", "minimum": 1, "maximum": 99},
-                       "note": {"type": "string", "maxLength": 12}},
-        "required": ["color"],
-    },
-    "nested": {
-        "type": "object",
-        "properties": {
-            "user": {"type": "object",
-                     "properties": {"id": {"type": "integer"},
-                                    "tags": {"type": "array", "items": {"type": "string"},
-                                             "maxItems": 3}},
-                     "required": ["id", "tags"]},
-            "active": {"type": "boolean"},
-        },
-        "required": ["user", "active"],
-    },
-    "array_of_objects": {
-        "type": "array",
-        "items": {"type": "object",
-                  "properties": {"x": {"type": "number"}, "kind": {"enum": ["a", "b", 3]}},
-                  "required": ["x", "kind"]},
-        "minItems": 1, "maxItems": 3,
-    },
-    "json_object": json.loads(JSON_OBJECT_SCHEMA),
-}
+SCHEMAS = {**SHARED_SCHEMAS, "json_object": json.loads(JSON_OBJECT_SCHEMA)}
 
 
 @pytest.mark.parametrize("jump", [False, True], ids=["plain", "jump"])
@@ -163,10 +131,6 @@ def test_bounded_strings_exclude_control_characters(backend, tokenizer):
 
 
 # ---------------------------------------------------------------------- regex and EBNF
-REGEXES = [r"\d{3}-\d{4}", r"(cat|dog)s? [a-z]{1,5}", r"[A-Z][a-z]{1,6}@example\.(com|org)",
-           r"(yes|no|maybe)"]
-
-
 @pytest.mark.parametrize("jump", [False, True], ids=["plain", "jump"])
 def test_regex_outputs_full_match(jump, backend, tokenizer, closing_bias):
     states = [backend.new_state(backend.compile("regex", r)) for r in REGEXES for _ in range(3)]
@@ -174,27 +138,6 @@ def test_regex_outputs_full_match(jump, backend, tokenizer, closing_bias):
     for k, out in enumerate(outputs):
         text = decode(tokenizer, out)
         assert re.fullmatch(REGEXES[k // 3], text), (REGEXES[k // 3], text)
-
-
-ARITH = r"""
-root ::= expr
-expr ::= term (("+" | "-") term)*
-term ::= num | "(" expr ")"
-num ::= [1-9] [0-9]*
-"""
-CALL = r"""
-root ::= name "(" args? ")"
-name ::= "f" | "g" | "sum"
-args ::= num (", " num)*
-num ::= [0-9] | [1-9] [0-9]
-"""
-
-
-def _arith_ok(node) -> bool:
-    if isinstance(node, ast.BinOp):
-        return isinstance(node.op, (ast.Add, ast.Sub)) and _arith_ok(node.left) \
-            and _arith_ok(node.right)
-    return isinstance(node, ast.Constant) and isinstance(node.value, int) and node.value > 0
 
 
 @pytest.mark.parametrize("jump", [False, True], ids=["plain", "jump"])
@@ -206,23 +149,13 @@ def test_ebnf_outputs_parse(jump, backend, tokenizer, closing_bias):
     for out in outputs[:4]:
         text = decode(tokenizer, out)
         assert re.fullmatch(r"[0-9+\-()]+", text) and not re.search(r"(^|[^0-9])0", text), text
-        assert _arith_ok(ast.parse(text, mode="eval").body), text
+        assert arith_ok(ast.parse(text, mode="eval").body), text
     for out in outputs[4:]:
         text = decode(tokenizer, out)
         assert re.fullmatch(r"(f|g|sum)\(((\d|[1-9]\d)(, (\d|[1-9]\d))*)?\)", text), text
 
 
 # ---------------------------------------------------------------------- jump-forward
-FIXED_KEYS = {
-    "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 10},
-                   "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                   "color": {"enum": ["red", "green", "blue"]},
-                   "married": {"type": "boolean"}},
-    "required": ["name", "age", "color", "married"],
-}
-
-
 def test_jump_forward_saves_passes_and_keeps_tokenizer_boundaries(backend, tokenizer,
                                                                   closing_bias):
     compiled = backend.compile("json_schema", json.dumps(FIXED_KEYS))
