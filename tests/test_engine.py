@@ -138,6 +138,12 @@ def test_logprobs_match_hf(tiny_llama_path):
         for j, (lp, tok, _) in enumerate(meta["output_token_logprobs"]):
             assert lp == pytest.approx(float(ref[len(prompt) - 1 + j, tok]), abs=2e-4)
         assert [len(t) for t in meta["output_top_logprobs"]] == [2, 2, 2]
+        tops = meta["input_top_logprobs"]  # one per input entry, the first null
+        assert len(tops) == 20 and tops[0] is None
+        for k, top in enumerate(tops[1:], start=11):
+            best = ref[k - 1].topk(2)
+            assert [t for _, t, _ in top] == best.indices.tolist()
+            assert [lp for lp, _, _ in top] == pytest.approx(best.values.tolist(), abs=2e-4)
         # max_new_tokens 0: only fills the cache, still returns input logprobs
         fill = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 0},
                                return_logprob=True, logprob_start_len=28,

@@ -21,7 +21,7 @@ from .loader import load_weights
 from .model_config import ModelConfig
 from .models import MODEL_REGISTRY
 from .parallel import TensorParallel
-from .sampler import Sampler, token_logprobs
+from .sampler import Sampler, token_logprobs, top_logprobs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_BUDGET_BYTES = 1 << 30  # default KV pool on CPU when neither size nor fraction is given
@@ -168,7 +168,8 @@ class ModelRunner:
         # every rank's buffer holds the same tokens.
         self.future_tokens[batch.req_pool_indices.to(dev)] = out.next_token_ids
         if batch.input_logprob_starts is not None and bool((batch.input_logprob_starts >= 0).any()):
-            out.input_token_logprobs = self._input_logprobs(batch, hidden, input_ids)
+            out.input_token_logprobs, out.input_top_logprobs = self._input_logprobs(
+                batch, hidden, input_ids)
         return out
 
     def resolve_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -211,17 +212,30 @@ class ModelRunner:
             prefix_lens_cpu=prefix_lens, extend_lens_cpu=extend_lens,
             decode_only=decode_only)
 
-    def _input_logprobs(self, batch: ForwardBatch, hidden: torch.Tensor,
-                        input_ids: torch.Tensor) -> list[torch.Tensor | None]:
-        result: list[torch.Tensor | None] = []
+    def _input_logprobs(self, batch: ForwardBatch, hidden: torch.Tensor, input_ids: torch.Tensor):
+        """Per request: the logprobs of its prompt tokens from its logprob start on ([N], None
+        when it asked for none) and, when it asked for ``top_logprobs_num`` k > 0, the k best
+        at each of those positions (values [N, k], ids [N, k]; else None)."""
+        tokens: list[torch.Tensor | None] = []
+        tops: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        ks = (batch.top_logprobs_num.tolist() if batch.top_logprobs_num is not None
+              else [0] * batch.batch_size)
         offset = 0
-        for start, extend in zip(batch.input_logprob_starts.tolist(), batch.extend_lens.tolist()):
-            if start < 0 or start >= extend - 1:
-                result.append(None if start < 0 else torch.empty(0))
+        for start, extend, k in zip(batch.input_logprob_starts.tolist(),
+                                    batch.extend_lens.tolist(), ks):
+            if start < 0:
+                tokens.append(None)
+                tops.append(None)
+            elif start >= extend - 1:  # nothing to score in this chunk (no empty collectives)
+                tokens.append(torch.empty(0))
+                tops.append((torch.empty(0, k), torch.empty(0, k, dtype=torch.int64))
+                            if k > 0 else None)
             else:
+                # position p predicts token p + 1; the chunk's last token predicts nothing here
                 positions = slice(offset + start, offset + extend - 1)
                 logits = self.model.logits(hidden[positions])
                 targets = input_ids[offset + start + 1 : offset + extend]
-                result.append(token_logprobs(logits, targets).cpu())
+                tokens.append(token_logprobs(logits, targets).cpu())
+                tops.append(tuple(t.cpu() for t in top_logprobs(logits, k)) if k > 0 else None)
             offset += extend
-        return result
+        return tokens, tops
