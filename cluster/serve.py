@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+DEMO_MODEL_NAME = "radixray-demo"  # what clients send as "model" to the built-in demo model
+
 # Scheduler arguments as flags: SchedulerConfig's field -> (type, help). Defaults come from
 # SchedulerConfig itself, so --help always shows the real ones.
 _SCHEDULER_FLAGS = {
@@ -54,10 +56,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
     p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     p.add_argument("--model", "--model-path", dest="model_path", default=None,
-                   help="HF model folder; None: the built-in demo model (made if missing)")
+                   help="HF model folder; None: the built-in demo model (trained, shipped with radixray)")
     p.add_argument("--tokenizer-path", default=None, help="None: the model folder")
     p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send; None: the model path")
+                   help="the model name clients send; None: the model path "
+                        f"({DEMO_MODEL_NAME!r} for the built-in demo model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=30000,
                    help="the router's port (the cluster's front door)")
@@ -144,8 +147,10 @@ def run_serve(args: argparse.Namespace) -> int:
     model_path = args.model_path
     if model_path is None:
         print("radixray serve: no --model given; using the built-in demo model "
-              "(made on first use)", flush=True)
+              "(the trained model shipped with radixray)", flush=True)
         model_path = ensure_default_model()
+        if args.served_model_name is None:
+            args.served_model_name = DEMO_MODEL_NAME
     server_args = server_args_from(args)
     try:  # reject bad arguments before anything starts
         SchedulerConfig(**split_server_args(server_args)[0])
