@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -35,10 +34,46 @@ from collections import Counter
 import jsonschema
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from jump_forward import PROMPT, SCHEMAS, TINY  # noqa: E402
+from radixray.cluster import Engine
+from radixray.worker.sampler import apply_vocab_mask_
 
-from radixray.cluster import Engine  # noqa: E402
+TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+            vocab_size=2048, max_position=4096, seed=0)
+PROMPT = "Reply with one JSON object describing a person:"
+
+SCHEMAS = {
+    # four fixed keys, an enum and a boolean (the example shape)
+    "four_keys": {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12},
+                       "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                       "color": {"enum": ["red", "green", "blue"]},
+                       "married": {"type": "boolean"}},
+        "required": ["name", "age", "color", "married"],
+    },
+    "nested": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 9999},
+            "profile": {"type": "object",
+                        "properties": {"username": {"type": "string", "maxLength": 10},
+                                       "email_verified": {"type": "boolean"},
+                                       "role": {"enum": ["administrator", "user", "guest"]}},
+                        "required": ["username", "email_verified", "role"]},
+            "tags": {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]},
+                     "maxItems": 3},
+        },
+        "required": ["id", "profile", "tags"],
+    },
+    "flags": {
+        "type": "object",
+        "properties": {k: {"type": "boolean"} for k in
+                       ("is_active", "has_subscription", "accepts_marketing", "is_verified")}
+        | {"tier": {"enum": ["free", "pro", "enterprise"]}},
+        "required": ["is_active", "has_subscription", "accepts_marketing", "is_verified", "tier"],
+    },
+}
+
 
 
 def closing_bias(tokenizer) -> dict[int, float]:
@@ -116,9 +151,14 @@ def step_costs(model_path: str, schema: dict, batch: int, max_new: int) -> dict:
         fills, accepts, fwd_mask, fwd_free = [], [], [], []
         timed(sched.grammars, "fill_mask", fills, full)
         timed(sched.grammars, "on_token", accepts)
-        timed(runner, "forward", fwd_mask,
-              lambda fb: fb.vocab_mask is not None and fb.batch_size == batch
-              and fb.is_decode_only)
+        masks = []
+
+        def masked_step(fb) -> bool:
+            if fb.vocab_mask is not None and fb.batch_size == batch and fb.is_decode_only:
+                masks.append(fb.vocab_mask)
+                return True
+            return False
+        timed(runner, "forward", fwd_mask, masked_step)
         # no logit bias here (it has a cost of its own in the sampler): requests may end at
         # their length limit instead of the grammar's end, which does not matter for timing
         params = [{"json_schema": json.dumps(schema), "max_new_tokens": max_new,
@@ -139,7 +179,16 @@ def step_costs(model_path: str, schema: dict, batch: int, max_new: int) -> dict:
             # on_token runs per request; a step accepts one token for each of the batch
             accept=statistics.median(accepts) * batch,
         )
-    costs["apply_mask"] = max(costs["decode_step_masked"] - costs["decode_step_free"], 0.0)
+        # the sampler's mask application, timed alone on the masks these steps used
+        vocab = runner.model_config.vocab_size
+        logits = torch.randn(batch, vocab)
+        applies = []
+        for mask in masks:
+            x = logits.clone()
+            t = time.perf_counter()
+            apply_vocab_mask_(x, mask)
+            applies.append(time.perf_counter() - t)
+        costs["apply_mask"] = statistics.median(applies)
     costs["mask_work_share"] = (costs["fill_mask"] + costs["accept"] + costs["apply_mask"]) \
         / costs["decode_step_free"]
     return costs
