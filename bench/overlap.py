@@ -8,9 +8,11 @@ measured in the same process (alternating, median of ``--repeats``):
    (scheduler work is a large share of a step) and a larger one (the forward dominates).
 2. On Ray (``Scheduler`` + ``WorkerGroup``: rank-0 actor, peers follow over gloo): tp=1 versus
    tp=2, each with overlap on and off.
-3. The per-step cost of rank 0's broadcast of a decode batch (``broadcast_object_list`` of the
-   pickled ``ForwardBatch``, as ``cluster/tp_worker.py`` does) between two gloo processes, next to
-   a one-element tensor broadcast (the latency floor) and a decode step of the same batch.
+3. The per-step cost of rank 0's broadcast of a decode batch between two gloo processes: the
+   packed batch through ``BatchChannel`` (one byte tensor, one collective, as
+   ``cluster/tp_worker.py`` does; pack and unpack included) beside ``broadcast_object_list`` of
+   the pickled ``ForwardBatch`` (what it did before), a one-element tensor broadcast (the latency
+   floor) and a decode step of the same batch.
 
     python bench/overlap.py                 # about 3 minutes on 2 cores
     python bench/overlap.py --repeats 1 --output-len 32   # quicker
@@ -137,12 +139,15 @@ def bench_ray(path: str, args) -> dict[str, float]:
 def _broadcast_worker(rank: int, port: int, payload: bytes, steps: int, queue) -> None:
     import torch.distributed as dist
 
+    from radixray.cluster.tp_worker import BatchChannel
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
     batch = pickle.loads(payload)
+    channel = BatchChannel("cpu")
     timings = {}
-    for name in ("object", "tensor"):
+    for name in ("object", "packed", "tensor") * 2:  # twice, alternating; keep the second
         one = torch.zeros(1, dtype=torch.int64)
         for i in range(steps + 10):
             if i == 10:
@@ -150,6 +155,8 @@ def _broadcast_worker(rank: int, port: int, payload: bytes, steps: int, queue) -
                 start = time.perf_counter()
             if name == "object":
                 dist.broadcast_object_list([batch] if rank == 0 else [None], src=0)
+            elif name == "packed":
+                channel.send(batch) if rank == 0 else channel.recv()
             else:
                 dist.broadcast(one, src=0)
         timings[name] = (time.perf_counter() - start) / steps
@@ -162,6 +169,7 @@ def bench_broadcast(path: str, args) -> dict[str, float]:
     import torch.multiprocessing as mp
 
     from radixray.cluster.tp_worker import free_port
+    from radixray.worker.forward_batch import pack_batch
 
     engine = Engine(path, max_total_tokens=16384, disable_overlap_schedule=True)
     captured = []
@@ -190,8 +198,9 @@ def bench_broadcast(path: str, args) -> dict[str, float]:
     timings = queue.get(timeout=300)
     for p in procs:
         p.join()
-    return {"bytes": len(payload), "object_s": timings["object"], "tensor_s": timings["tensor"],
-            "decode_step_s": step}
+    return {"bytes": len(payload), "packed_bytes": pack_batch(batch).numel(),
+            "object_s": timings["object"], "packed_s": timings["packed"],
+            "tensor_s": timings["tensor"], "decode_step_s": step}
 
 
 def main() -> None:
@@ -227,10 +236,12 @@ def main() -> None:
         print("\n3. rank-0 broadcast of one decode batch (gloo, 2 processes)")
         for name, path in paths.items():
             b = bench_broadcast(path, args)
-            print(f"  {name:6s} pickled batch {b['bytes']} B: {b['object_s'] * 1e6:7.0f} us per "
-                  f"broadcast (one-int tensor floor {b['tensor_s'] * 1e6:.0f} us); decode step "
-                  f"{b['decode_step_s'] * 1e3:.2f} ms -> broadcast = "
-                  f"{b['object_s'] / b['decode_step_s']:.1%} of a step")
+            print(f"  {name:6s} packed {b['packed_bytes']} B: {b['packed_s'] * 1e6:5.0f} us; "
+                  f"broadcast_object_list {b['bytes']} B: {b['object_s'] * 1e6:5.0f} us; one-int "
+                  f"floor {b['tensor_s'] * 1e6:.0f} us; decode step "
+                  f"{b['decode_step_s'] * 1e3:.2f} ms -> packed broadcast = "
+                  f"{b['packed_s'] / b['decode_step_s']:.1%} of a step (object: "
+                  f"{b['object_s'] / b['decode_step_s']:.1%})")
 
 
 if __name__ == "__main__":

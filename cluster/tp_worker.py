@@ -1,9 +1,10 @@
 """One tensor-parallel rank as a Ray actor: its shard of the model, its KV buffers.
 
 Rank 0 is the only rank the scheduler talks to. Each ``forward`` call broadcasts the batch
-description to the peers (one pickled object per step over the TP group: gloo on CPU, NCCL on
-GPU), runs its own shard, and returns the sampled tokens. Peers sit in ``follow``: receive,
-forward, repeat, until a ``None`` batch tells them to stop.
+description to the peers (``BatchChannel``: the batch packed into one byte tensor, one
+collective per step over the TP group: gloo on CPU, NCCL on GPU), runs its own shard, and
+returns the sampled tokens. Peers sit in ``follow``: receive, forward, repeat, until a stop
+message (length 0) tells them to stop.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..worker.forward_batch import ForwardBatch, ForwardOutput
+from ..worker.forward_batch import ForwardBatch, ForwardOutput, pack_batch, unpack_batch
 from ..worker.model_runner import ModelRunner, RunnerConfig
 
 
@@ -26,6 +27,50 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class BatchChannel:
+    """Rank 0 -> peers broadcast of packed batches over the default process group.
+
+    Every rank holds the same fixed ``capacity``-byte buffer on the group's device. A message is
+    one broadcast of that buffer: bytes 0..8 hold the payload length (0 means stop), the rest
+    the payload's start. Only a payload longer than ``capacity - 8`` needs a second broadcast,
+    of exactly the remaining bytes; every rank knows that length from the first, so all ranks
+    issue the same collectives. (A size-then-bytes protocol costs two collectives every step.)
+    """
+
+    HEADER = 8
+
+    def __init__(self, device: str | torch.device = "cpu", capacity: int = 64 * 1024):
+        if capacity <= self.HEADER:
+            raise ValueError(f"capacity: must exceed {self.HEADER} bytes, got {capacity}")
+        self.capacity, self.device = capacity, torch.device(device)
+        self.buf = torch.zeros(capacity, dtype=torch.uint8, device=self.device)
+
+    def send(self, batch: ForwardBatch | None) -> None:
+        """Rank 0: broadcast ``batch`` (None: the stop message). Overwrites the buffer."""
+        payload = pack_batch(batch) if batch is not None else torch.empty(0, dtype=torch.uint8)
+        n = payload.numel()
+        head = min(n, self.capacity - self.HEADER)
+        self.buf[:self.HEADER].copy_(torch.tensor([n], dtype=torch.int64).view(torch.uint8))
+        self.buf[self.HEADER:self.HEADER + head].copy_(payload[:head])
+        dist.broadcast(self.buf, src=0)
+        if n > head:
+            dist.broadcast(payload[head:].to(self.device), src=0)
+
+    def recv(self) -> ForwardBatch | None:
+        """Peers: wait for rank 0's next message; None for the stop message."""
+        dist.broadcast(self.buf, src=0)
+        n = int(self.buf[:self.HEADER].view(torch.int64).item())
+        if n == 0:
+            return None
+        head = min(n, self.capacity - self.HEADER)
+        payload = self.buf[self.HEADER:self.HEADER + head]
+        if n > head:
+            rest = torch.empty(n - head, dtype=torch.uint8, device=self.device)
+            dist.broadcast(rest, src=0)
+            payload = torch.cat([payload, rest])
+        return unpack_batch(payload)  # copies: the buffer is reused by the next recv
+
+
 class TPWorker:
     """Plain class; ``cluster.replica`` wraps it with ``ray.remote`` and a placement bundle."""
 
@@ -33,6 +78,7 @@ class TPWorker:
         self.rank, self.tp_size = rank, tp_size
         self.runner_cfg = runner_cfg
         self.runner: ModelRunner | None = None
+        self.channel: BatchChannel | None = None  # tp > 1: the batch broadcast
         self._turn, self._next_seq = threading.Condition(), 0  # see forward
         threads = os.environ.get("RADIXRAY_TORCH_THREADS")
         if threads:
@@ -56,6 +102,7 @@ class TPWorker:
             dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
                                     rank=self.rank, world_size=self.tp_size,
                                     timeout=timedelta(seconds=timeout_s))
+            self.channel = BatchChannel("cuda" if backend == "nccl" else "cpu")
         self.runner = ModelRunner(cfg)
         mc = self.runner.model_config
         return {"max_total_tokens": self.runner.max_total_tokens,
@@ -75,7 +122,7 @@ class TPWorker:
             self._turn.wait_for(lambda: self._next_seq == seq)
         try:
             if self.tp_size > 1:
-                dist.broadcast_object_list([batch], src=0)
+                self.channel.send(batch)
             return self.runner.forward(batch)
         finally:
             with self._turn:
@@ -86,18 +133,16 @@ class TPWorker:
         """Peers only: run every broadcast batch until told to stop. Returns steps run."""
         steps = 0
         while True:
-            box = [None]
-            dist.broadcast_object_list(box, src=0)
-            if box[0] is None:
+            batch = self.channel.recv()
+            if batch is None:
                 return steps
-            self.runner.forward(box[0])
+            self.runner.forward(batch)
             steps += 1
 
     def stop(self) -> None:
         """Rank 0: release the peers from ``follow``; every rank: leave the group."""
-        if self.tp_size > 1 and dist.is_initialized():
-            if self.rank == 0:
-                dist.broadcast_object_list([None], src=0)
+        if self.tp_size > 1 and dist.is_initialized() and self.rank == 0:
+            self.channel.send(None)
 
     def pid(self) -> int:
         return os.getpid()

@@ -16,6 +16,8 @@ across Ray.
 
 from __future__ import annotations
 
+import io
+import pickle
 from dataclasses import dataclass, field
 
 import torch
@@ -78,3 +80,83 @@ class ForwardOutput:
     # computed here), which is why SGLang's contract puts a null first.
     input_token_logprobs: list[torch.Tensor | None] | None = None
     input_top_logprobs: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
+
+
+# ------------------------------------------------------------------ one-tensor wire format
+# Tensor parallelism sends every batch from rank 0 to its peers once per step. Pickling torch
+# tensors is what makes ``pickle.dumps(batch)`` slow (each one goes through torch's storage
+# machinery), so ``pack_batch`` pickles the batch with every tensor swapped for a small
+# reference (dtype, shape, byte offset) and appends the tensors' raw bytes after the pickle.
+# The swap happens by type, anywhere in the object graph (a tuple of tensors, a future field),
+# so no field is named here. Layout, all in one uint8 tensor:
+#   [pickle length: 8 bytes][pickle][zero padding to 8][tensor bytes, each 8-aligned]
+
+_ALIGN = 8
+
+
+def _tensor_ref(offset: int, nbytes: int, dtype: str, shape: tuple) -> torch.Tensor:
+    """Stands in for a tensor inside the pickle; ``unpack_batch`` resolves it (see _Unpickler)."""
+    raise RuntimeError("a packed batch must be read with unpack_batch, not pickle.loads")
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, header: bytes, data: torch.Tensor):
+        super().__init__(io.BytesIO(header))
+        self.data = data
+
+    def find_class(self, module: str, name: str):
+        if module == __name__ and name == "_tensor_ref":
+            return self.tensor_at
+        return super().find_class(module, name)
+
+    def tensor_at(self, offset: int, nbytes: int, dtype: str, shape: tuple) -> torch.Tensor:
+        # offsets are 8-aligned within ``data`` (a fresh copy), so any dtype can view them
+        return self.data[offset:offset + nbytes].view(getattr(torch, dtype)).reshape(shape)
+
+
+def pack_batch(batch: ForwardBatch) -> torch.Tensor:
+    """Serialise ``batch`` into one CPU uint8 tensor (``unpack_batch`` inverts it exactly).
+
+    Tensors come back on the CPU, contiguous, with their dtype and shape. Mutates nothing."""
+    chunks: list[torch.Tensor] = []
+    size = 0
+
+    def reduce_tensor(t: torch.Tensor):
+        nonlocal size
+        raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        ref = (size, raw.numel(), str(t.dtype).removeprefix("torch."), tuple(t.shape))
+        chunks.append(raw)
+        size += raw.numel()
+        pad = -size % _ALIGN
+        if pad:
+            chunks.append(torch.zeros(pad, dtype=torch.uint8))
+            size += pad
+        return _tensor_ref, ref
+
+    buf = io.BytesIO()
+    buf.write(bytes(8))
+    pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = {torch.Tensor: reduce_tensor}  # by exact type, checked in C
+    pickler.dump(batch)
+    header_len = buf.tell() - 8
+    buf.write(bytes(-buf.tell() % _ALIGN))
+    buf.seek(0)
+    buf.write(header_len.to_bytes(8, "little"))
+    head = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+    return torch.cat([head, *chunks]) if chunks else head
+
+
+def unpack_batch(packed: torch.Tensor) -> ForwardBatch:
+    """Rebuild the batch ``pack_batch`` serialised. ``packed`` (uint8, any device) is only read;
+    every tensor in the result is a fresh CPU tensor."""
+    packed = packed.to("cpu")
+    if packed.dtype != torch.uint8 or packed.dim() != 1 or packed.numel() < 8:
+        raise ValueError("packed: must be a 1-D uint8 tensor made by pack_batch")
+    header_len = int.from_bytes(packed[:8].numpy().tobytes(), "little")
+    start = 8 + header_len + (-(8 + header_len) % _ALIGN)
+    if start > packed.numel():
+        raise ValueError(f"packed: header says {header_len} pickle bytes, "
+                         f"tensor holds {packed.numel()}")
+    header = packed[8:8 + header_len].numpy().tobytes()
+    # one copy for all tensors: the result must not alias ``packed`` (a reused receive buffer)
+    return _Unpickler(header, packed[start:].clone()).load()
