@@ -16,10 +16,11 @@ Overlap scheduling (on unless ``disable_overlap_schedule``, when the runner has
 submitted, so batch N+1 can be built and submitted while batch N still runs; its decode inputs
 whose tokens N has not returned yet are future references (``batch.decode_input_ids``) that the
 worker resolves. N's results are processed while N+1 runs. A request N finishes has one wasted
-step in N+1, which is skipped when its results come. Only decode-only successors overlap: a
-prefill, a retraction, penalties (they need the newest token), a constrained request (the
-grammar barrier: its next mask needs the newest token accepted) or an empty batch first wait
-for the batch in flight. Constrained decoding and jump-forward: see constrained.py.
+step in N+1, which is skipped when its results come. Decodes and prefills of waiting requests
+overlap; what needs N's results first waits for it (``_can_overlap``): a possible retraction,
+a prompt mid-chunk, penalties (they need the newest token), a constrained request (the grammar
+barrier: its next mask needs the newest token accepted), and admitting waiting requests while
+N computes prompts they may share. Constrained decoding and jump-forward: see constrained.py.
 """
 
 from __future__ import annotations
@@ -171,9 +172,14 @@ class Scheduler:
             self._finish_inflight()
 
     def _can_overlap(self) -> bool:
-        """True when the next batch is a decode of the running set that needs neither the
-        in-flight tokens' values on this side nor a retraction."""
-        return (not self.waiting and self.chunked_req is None and bool(self.running)
+        """True when the next batch, whatever ``schedule`` makes of it (a prefill of waiting
+        requests, a decode of the running set, or both mixed), needs neither the in-flight
+        tokens' values on this side (penalties and grammar masks do) nor a retraction (it
+        would reset a request whose results are still coming), and no prompt is mid-chunk.
+        Waiting requests also wait when the batch in flight computes prompts: those enter the
+        radix tree when its results are processed, and a waiting request may share them."""
+        inflight_prefill = self._inflight is not None and bool(self._inflight[0].prefill)
+        return (self.chunked_req is None and not (self.waiting and inflight_prefill)
                 and not any(r.sampling_params.has_penalties or r.grammar is not None
                             for r in self.running)
                 and decode_slots_needed(self.running, self.cache)
