@@ -88,14 +88,15 @@ def bench_engine(path: str, args) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------------- 2. Ray
-def ray_runner(group, overlap: bool, vocab_size: int):
+def ray_runner(group, overlap: bool, vocab_size: int, max_running: int | None = None):
     from radixray.scheduler.config import SchedulerConfig
     from radixray.scheduler.request import Req
     from radixray.scheduler.scheduler import Scheduler
     from radixray.worker.sampling_params import SamplingParams
 
     def run_once(prompts, output_len):
-        sched = Scheduler(SchedulerConfig(disable_overlap_schedule=not overlap), group,
+        sched = Scheduler(SchedulerConfig(disable_overlap_schedule=not overlap,
+                                          max_running_requests=max_running), group,
                           eos_token_ids=set(), vocab_size=vocab_size)
         for i, p in enumerate(prompts):
             sched.add_request(Req(f"r{i}", p, SamplingParams(
@@ -124,7 +125,8 @@ def bench_ray(path: str, args) -> dict[str, float]:
     prompts = workload(args.batch, args.prompt_len)
     groups = {tp: WorkerGroup(cfg, tp) for tp in (1, 2)}
     vocab = groups[1].info["vocab_size"]
-    configs = {f"tp{tp} {'overlap' if on else 'no-overlap'}": ray_runner(g, on, vocab)
+    configs = {f"tp{tp} {'overlap' if on else 'no-overlap'}":
+               ray_runner(g, on, vocab, args.max_running)
                for tp, g in groups.items() for on in (True, False)}
     first = {name: run(prompts, 8) for name, run in configs.items()}  # warm up + check
     assert len({str(v) for v in first.values()}) == 1, "tp/overlap changed greedy outputs"
@@ -210,6 +212,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-ray", action="store_true")
+    ap.add_argument("--max-running", type=int, default=None,
+                    help="cap running requests (the rest queue) in the Ray part; None: all run")
     args = ap.parse_args()
     os.environ.setdefault("RADIXRAY_TORCH_THREADS", "1")  # the Ray workers: one core each
     with tempfile.TemporaryDirectory() as tmp:
