@@ -13,8 +13,9 @@ Rules that keep the tiers consistent:
 - ``write_through``: a node gets its host copy when it is inserted. ``write_back``: when it is
   evicted from the device. A device-evicted node with a host copy stays in the tree with
   ``value = None``; without one (the host pool was full) it is removed with its subtree.
-- Host eviction takes host-only leaves only (LRU, or the tree's policy) and removes them.
-  A node on the device keeps its host copy until it leaves the tree.
+- Host eviction takes host-only leaves first (LRU, or the tree's policy) and removes them;
+  when that is not enough, it drops the host copies of nodes that are on the device too
+  (least recently used first), which stay in the tree on the device only.
 - Copies are queued as they are decided and drained into the next ``ForwardBatch``. The worker
   runs a batch's stores, then its loads, before its forward, and batches run in submission
   order; so a store reads its device slots before anything the same batch computes or loads
@@ -70,6 +71,7 @@ class HiRadixCache(RadixCache):
         self._pinned: set = set()  # host-only nodes being loaded: host eviction leaves them
         self._stores: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device, host) slots
         self._loads: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host, device) slots
+        self._loading: set = set()  # nodes whose queued load is not in a batch yet
 
     def host_size(self) -> int:
         """Tokens with a host copy (host slots held by the tree)."""
@@ -176,6 +178,7 @@ class HiRadixCache(RadixCache):
             self._evictable.add(valid[-1])
         self._evictable_size += total
         self._loads.append((torch.cat([node.host_value for node in valid]), slots))
+        self._loading.update(valid)
         self.stats.loaded += total
         return total
 
@@ -185,7 +188,10 @@ class HiRadixCache(RadixCache):
         size = len(node.key)
         short = size - self.host_allocator.available_size()
         if short > 0:
-            self._evict_host(short)
+            short -= self._evict_host(short)
+        if short > 0:
+            # a batch at a time (an eighth of the pool), so the tree walk is rare
+            self._drop_device_copies(max(short, self.host_allocator.size // 8))
         slots = self.host_allocator.alloc(size)
         if slots is None:
             self.stats.backup_failed += size
@@ -245,6 +251,38 @@ class HiRadixCache(RadixCache):
         self.stats.host_evicted += freed
         return freed
 
+    def _drop_device_copies(self, num_tokens: int) -> int:
+        """Free host slots by dropping the host copies of nodes that are on the device too,
+        least recently used first, until ``num_tokens`` are free; return how many. Under
+        write_through every cached node has such a copy, so without this a full host pool
+        would keep old prefixes' copies and refuse new ones. Skips nodes with host-only
+        children (they would be lost with the parent later) and nodes whose load is queued
+        but not in a batch yet (a store of the same batch, which runs first, could reuse the
+        slots). The node stays in the tree on the device.
+
+        Mutates: nodes' ``host_value``, the host allocator, ``host_size``."""
+        candidates, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if (node.value is not None and node.host_value is not None
+                    and node not in self._loading
+                    and all(c.value is not None for c in node.children.values())):
+                candidates.append(node)
+        candidates.sort(key=lambda n: n.last_access_time)
+        freed, released = 0, []
+        for node in candidates:
+            if freed >= num_tokens:
+                break
+            released.append(node.host_value)
+            freed += len(node.key)
+            node.host_value = None
+        if released:
+            self.host_allocator.free(torch.cat(released))
+        self._host_size -= freed
+        self.stats.host_evicted += freed
+        return freed
+
     def _remove_subtree(self, node: TreeNode) -> None:
         """Take ``node`` (whose device slots the caller frees) out of the tree, freeing the host
         copies of its subtree (host-only nodes, by the closure rule) and its own, if any."""
@@ -269,6 +307,7 @@ class HiRadixCache(RadixCache):
         ``(stores, loads)``, each ``(from_slots, to_slots)`` or None. Clears the queues."""
         stores, loads = self._stores, self._loads
         self._stores, self._loads = [], []
+        self._loading.clear()
 
         def pack(pairs):
             if not pairs:

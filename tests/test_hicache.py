@@ -59,6 +59,46 @@ def test_write_through_copies_on_insert_and_eviction_keeps_the_node_on_host():
     tree.check_tiers()
 
 
+def test_full_host_pool_drops_old_device_nodes_copies_for_new_ones():
+    """write_through with a host pool smaller than what the device holds: every new prefix
+    still gets its host copy; the least recently used device node gives its copy up."""
+    tree = make_tree(device=64, host=24)
+    old, mid = list(range(10)), list(range(100, 110))
+    insert(tree, old)
+    insert(tree, mid)
+    tree.match_prefix(RadixKey(old))  # old is now the more recently used
+    tree.take_copies()
+    new = list(range(200, 210))
+    insert(tree, new)  # 20 host slots held; 10 more needed: mid's copy goes
+    assert tree.stats.backup_failed == 0
+    nodes = {tuple(t[:1]): tree.match_prefix(RadixKey(t)).last_node for t in (old, mid, new)}
+    assert nodes[(100,)].host_value is None and nodes[(100,)].value is not None
+    assert nodes[(0,)].host_value is not None and nodes[(200,)].host_value is not None
+    (device, host), _ = tree.take_copies()
+    assert len(device) == 10 and tree.host_size() == 20
+    tree.check_tiers()
+    assert tree.evict(64) == 30  # mid leaves the tree; old and new stay on the host
+    assert tree.host_size() == 20 and tree.total_size() == 0
+    tree.check_tiers()
+
+
+def test_a_node_being_loaded_keeps_its_host_copy():
+    tree = make_tree(device=64, host=20)
+    first = list(range(10))
+    insert(tree, first)
+    tree.evict(10)  # first is host-only now
+    tree.take_copies()
+    result, host_nodes = tree.match_tiers(RadixKey(first))
+    assert tree.load_back(host_nodes) == 10  # queued, not in a batch yet
+    insert(tree, list(range(50, 60)))  # host full: 10 + 10 of 20
+    insert(tree, list(range(70, 80)))  # needs room: first's copy is loading, so no drop of it
+    node = tree.match_prefix(RadixKey(first)).last_node
+    assert node.host_value is not None
+    stores, loads = tree.take_copies()
+    assert torch.equal(loads[0], node.host_value)
+    tree.check_tiers()
+
+
 def test_write_back_copies_only_on_eviction():
     tree = make_tree(policy="write_back")
     slots = insert(tree, list(range(10)))
