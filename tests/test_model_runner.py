@@ -152,14 +152,18 @@ def test_input_logprobs_match_hf(tiny_llama_path):
     assert torch.allclose(got, want, atol=LOGIT_TOL)
 
 
-@pytest.mark.parametrize("pad_waste", [0.0, float("inf")])  # per request / one padded call
-def test_torch_native_extend_paths_equal_per_request_causal_sdpa(pad_waste):
+@pytest.mark.parametrize("mode, prefixes, extends", [
+    ("per_request", [0, 9, 30], [6, 4, 1]),
+    ("padded", [0, 9, 30], [6, 4, 1]),
+    ("fresh", [0, 0, 0], [5, 5, 5]),  # new prompts of one length: one causal call, no mask
+])
+def test_torch_native_extend_paths_equal_per_request_causal_sdpa(mode, prefixes, extends):
     import torch.nn.functional as F
 
     from radixray.worker.attention import AttentionMetadata, KVCache, TorchNativeBackend
 
     heads, kv_heads, dim = 4, 2, 8
-    rows, prefixes, extends = [1, 2, 3], [0, 9, 30], [6, 4, 1]
+    rows = [1, 2, 3]
     torch.manual_seed(0)
     kv = KVCache(1, 128, kv_heads, dim, torch.float32, "cpu", 4, 64)
     kv.k[0].normal_(), kv.v[0].normal_()
@@ -173,11 +177,11 @@ def test_torch_native_extend_paths_equal_per_request_causal_sdpa(pad_waste):
     k, v = torch.randn(sum(extends), kv_heads, dim), torch.randn(sum(extends), kv_heads, dim)
     t = torch.tensor
     backend = TorchNativeBackend()
-    backend.PAD_WASTE = pad_waste
+    backend.PAD_WASTE = 0.0 if mode == "per_request" else float("inf")
     backend.prepare(AttentionMetadata(t(rows), t(prefixes), t(extends), t(out_loc), prefixes,
                                       extends, decode_only=False), kv)
     out = backend.forward(0, q, k, v)
-    assert backend.padded is (pad_waste > 0)
+    assert backend.mode == mode
     start = 0
     for row, p, e in zip(rows, prefixes, extends):
         slots = kv.req_to_token[row, : p + e]

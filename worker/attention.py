@@ -110,7 +110,9 @@ class TorchNativeBackend(AttentionBackend):
     ``[B, L]`` block and run one masked SDPA. Extend batches do the same with queries padded to
     ``[B, E]`` when the padding costs at most ``PAD_WASTE`` x the real work (many short
     extends over cached prefixes, the shared-prefix case: one call instead of B), and run one
-    causal SDPA per request otherwise (one long prompt beside short ones)."""
+    causal SDPA per request otherwise (one long prompt beside short ones). Fresh prompts
+    (nothing cached) attend to their own new keys with ``is_causal`` and no mask, which lets
+    CPU SDPA use its flash kernel (3x faster than a masked call at 2k tokens)."""
 
     PAD_WASTE = 2.0
 
@@ -126,10 +128,13 @@ class TorchNativeBackend(AttentionBackend):
             self.slots = kv.req_to_token[meta.req_rows, :max_len]  # [B, L]
             self.valid = (torch.arange(max_len, device=seq_lens.device)[None, :]
                           < seq_lens[:, None])  # [B, L]
+        elif all(p == 0 for p in meta.prefix_lens_cpu) and len(set(meta.extend_lens_cpu)) == 1:
+            self.mode = "fresh"
         elif self._padding_pays(meta):
+            self.mode = "padded"
             self._prepare_padded_extend(meta, kv)
         else:
-            self.padded = False
+            self.mode = "per_request"
             self.row_slots = []
             for row, prefix, extend in zip(meta.req_rows.tolist(), meta.prefix_lens_cpu,
                                            meta.extend_lens_cpu):
@@ -145,7 +150,6 @@ class TorchNativeBackend(AttentionBackend):
 
     def _prepare_padded_extend(self, meta: AttentionMetadata, kv: KVCache) -> None:
         """Index and mask tensors for one SDPA over the whole extend batch."""
-        self.padded = True
         dev = meta.extend_lens.device
         extend, prefix = meta.extend_lens, meta.prefix_lens
         max_extend = max(meta.extend_lens_cpu)
@@ -168,7 +172,7 @@ class TorchNativeBackend(AttentionBackend):
         v_buf[meta.out_cache_loc] = v
         if meta.decode_only:
             return self._decode(q, k_buf, v_buf)
-        return self._extend(q, k_buf, v_buf)
+        return self._extend(q, k, v, k_buf, v_buf)
 
     def _decode(self, q, k_buf, v_buf):
         batch, heads, dim = q.shape
@@ -180,8 +184,14 @@ class TorchNativeBackend(AttentionBackend):
             attn_mask=self.valid[:, None, None, :], enable_gqa=True)
         return out.reshape(batch, heads * dim)
 
-    def _extend(self, q, k_buf, v_buf):
-        if self.padded:
+    def _extend(self, q, k, v, k_buf, v_buf):
+        if self.mode == "fresh":  # new prompts of one length: nothing cached to read
+            batch, length = len(self.meta.extend_lens_cpu), self.meta.extend_lens_cpu[0]
+            by_request = lambda x: x.view(batch, length, *x.shape[1:]).transpose(1, 2)  # noqa: E731
+            out = F.scaled_dot_product_attention(by_request(q), by_request(k), by_request(v),
+                                                 is_causal=True, enable_gqa=True)
+            return out.transpose(1, 2).reshape(batch * length, -1)  # [T, Hq * D]
+        if self.mode == "padded":
             q_pad = q[self.q_index].transpose(1, 2)  # [B, Hq, E, D]
             out = F.scaled_dot_product_attention(
                 q_pad, gather_slots(k_buf, self.slots, self.scratch, "k").transpose(1, 2),
@@ -194,6 +204,13 @@ class TorchNativeBackend(AttentionBackend):
         for slots, prefix, extend in zip(self.row_slots, meta.prefix_lens_cpu,
                                          meta.extend_lens_cpu):
             q_i = q[start : start + extend].transpose(0, 1)  # [Hq, E, D]
+            if prefix == 0:  # a fresh prompt: its keys are the new ones, plain causal
+                out = F.scaled_dot_product_attention(
+                    q_i, k[start : start + extend].transpose(0, 1),
+                    v[start : start + extend].transpose(0, 1), is_causal=True, enable_gqa=True)
+                outputs.append(out.transpose(0, 1).reshape(extend, -1))
+                start += extend
+                continue
             keys = gather_slots(k_buf, slots, self.scratch, "k").transpose(0, 1)  # [Hkv, S, D]
             values = gather_slots(v_buf, slots, self.scratch, "v").transpose(0, 1)
             # new token i sits at position prefix + i and sees positions 0 .. prefix + i
