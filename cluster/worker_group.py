@@ -56,10 +56,13 @@ class WorkerGroup:
             self.shutdown()
             raise WorkerGroupError(f"replica workers failed to start: {_reason(e)}") from e
         self.info = infos[0]
-        self.max_total_tokens = self.info["max_total_tokens"]
+        # Pools sized from each rank's free memory may differ: the scheduler hands out slot
+        # numbers every rank must hold, so the smallest counts. A rank whose host pool could
+        # not be allocated (0) turns the host tier off for the replica (recompute instead).
+        self.max_total_tokens = min(i["max_total_tokens"] for i in infos)
         self.max_running_requests = self.info["max_running_requests"]
         self.max_context_len = self.info["max_context_len"]
-        self.host_pool_tokens = self.info["host_pool_tokens"]  # hierarchical cache; 0: off
+        self.host_pool_tokens = min(i["host_pool_tokens"] for i in infos)
         self.follow_refs = [w.follow.remote() for w in self.workers[1:]]
 
     def submit(self, batch: ForwardBatch):
