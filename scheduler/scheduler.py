@@ -33,6 +33,7 @@ from .cache_manager import CacheManager
 from .config import SchedulerConfig
 from .constrained import check_constraint, make_constrained, split_extends
 from .decode import decode_slots_needed, make_room_for_decode
+from .logprobs import attach_logprobs, collect_input_logprobs
 from .policy import InBatchPrefixSharing, QueueView, make_policy
 from .prefill_adder import AddResult, PrefillAdder
 from .request import FinishReason, Req, RequestOutput
@@ -336,7 +337,7 @@ class Scheduler:
             if i < num_prefill:
                 self.stats.prefill_tokens += seq_len - start
                 if batch.input_logprob_starts[i] >= 0:
-                    input_logprobs_done = self._collect_input_logprobs(
+                    input_logprobs_done = collect_input_logprobs(
                         req, output, i, start, batch.input_logprob_starts[i])
             else:
                 self.stats.decode_tokens += 1
@@ -365,39 +366,11 @@ class Scheduler:
         if batch.decode:
             self.running = [r for r in self.running if not r.finished]
 
-    def _collect_input_logprobs(self, req: Req, output: ForwardOutput, i: int, start: int,
-                                offset: int) -> bool:
-        """Add the input logprobs of positions ``start + offset ..`` of this step; True once the
-        whole prompt's are in. The first position's value is not computed in this step: None
-        (SGLang's null first entry; also at a chunk seam: see batch._input_logprob_start)."""
-        first = start + offset
-        values = output.input_token_logprobs[i] if output.input_token_logprobs else None
-        values = [] if values is None else values.tolist()
-        ids = req.tokens(first, first + 1 + len(values))
-        req.input_token_logprobs.append((None, ids[0]))
-        req.input_token_logprobs += list(zip(values, ids[1:]))
-        tops = output.input_top_logprobs[i] if output.input_top_logprobs else None
-        if tops is not None:
-            req.input_top_logprobs.append(None)
-            req.input_top_logprobs += [list(zip(v, t)) for v, t in
-                                       zip(tops[0].tolist(), tops[1].tolist())]
-        if req.cached_len >= req.prompt_len:
-            req.input_logprobs_pending = False
-        return not req.input_logprobs_pending
-
     def _emit(self, req: Req, new_ids: list[int], output: ForwardOutput | None = None,
               i: int = 0, input_logprobs_done: bool = False) -> None:
         out = RequestOutput(req.rid, new_ids, req.finished, req.finish_reason, req.prompt_len,
                             req.cached_tokens, len(req.output_ids), req.host_cached_tokens)
-        if req.return_logprob and new_ids and output is not None:
-            if output.next_token_logprobs is not None:
-                out.output_token_logprobs = [(float(output.next_token_logprobs[i]), new_ids[0])]
-            top = output.top_logprobs[i] if output.top_logprobs else None
-            if top is not None:
-                out.output_top_logprobs = [list(zip(top[0].tolist(), top[1].tolist()))]
-        if input_logprobs_done:
-            out.input_token_logprobs = req.input_token_logprobs
-            out.input_top_logprobs = req.input_top_logprobs or None
+        attach_logprobs(out, req, new_ids, output, i, input_logprobs_done)
         self._outputs.append(out)
 
     def _retire(self, req: Req) -> None:
