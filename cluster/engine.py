@@ -72,15 +72,12 @@ class Engine:
     def __init__(self, model_path: str, **server_args):
         """Load the tokenizer and model and build the scheduler.
 
-        ``server_args``: ``SchedulerConfig``'s fields (``schedule_policy``,
-        ``schedule_conservativeness``, ``chunked_prefill_size``, ``max_prefill_tokens``,
-        ``max_total_tokens``, ``max_running_requests``, ``page_size``,
-        ``radix_eviction_policy``, ``disable_radix_cache``, ``enable_mixed_chunk``,
-        ``debug_invariants``, ``random_seed``, ``disable_jump_forward``,
-        ``grammar_compile_timeout``, ``enable_hierarchical_cache``, ``hicache_ratio``,
-        ``hicache_size``, ``hicache_write_policy``) and ``RUNNER_ARGS``' (``dtype``, ``device``,
-        ``attention_backend``, ``context_length``, ``mem_fraction_static``, ``load_format``,
-        ``tokenizer_path``). An unknown or invalid one raises ValueError naming it.
+        ``server_args``: any of ``SchedulerConfig``'s fields (``schedule_policy``,
+        ``max_total_tokens``, ``chunked_prefill_size``, ``disable_overlap_schedule``,
+        ``enable_hierarchical_cache``, ... with SGLang's names; see scheduler/config.py) and
+        of ``RUNNER_ARGS`` (``dtype``, ``device``, ``attention_backend``, ``context_length``,
+        ``mem_fraction_static``, ``load_format``, ``tokenizer_path``). An unknown or invalid
+        one raises ValueError naming it.
         """
         from transformers import AutoTokenizer
 
