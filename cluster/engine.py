@@ -69,8 +69,9 @@ def split_server_args(server_args: dict) -> tuple[dict, dict]:
 
 
 class Engine:
-    def __init__(self, model_path: str, **server_args):
-        """Load the tokenizer and model and build the scheduler.
+    def __init__(self, model_path: str | None = None, **server_args):
+        """Load the tokenizer and model and build the scheduler. ``model_path``: an HF model
+        folder; None: the built-in demo model.
 
         ``server_args``: any of ``SchedulerConfig``'s fields (``schedule_policy``,
         ``max_total_tokens``, ``chunked_prefill_size``, ``disable_overlap_schedule``,
@@ -85,6 +86,10 @@ class Engine:
 
         sched_args, runner_args = split_server_args(server_args)
         self.config = SchedulerConfig(**sched_args)  # validates before the model loads
+        if model_path is None:
+            from ..worker.make_model import ensure_default_model
+
+            model_path = ensure_default_model()
         self.model_path = model_path
         self.server_args = {**runner_args, **{k: getattr(self.config, k)
                                               for k in SchedulerConfig.field_names()}}

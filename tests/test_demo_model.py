@@ -32,7 +32,8 @@ WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 @pytest.fixture(scope="module")
 def engine():
-    with Engine(DEMO_MODEL_DIR, max_total_tokens=4096, random_seed=0) as eng:
+    with Engine(max_total_tokens=4096, random_seed=0) as eng:  # no path: the demo model
+        assert eng.model_path == DEMO_MODEL_DIR
         yield eng
 
 
