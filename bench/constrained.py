@@ -35,7 +35,7 @@ import jsonschema
 import torch
 
 from radixray.cluster import Engine
-from radixray.worker.sampler import apply_vocab_mask_
+from radixray.worker.vocab_mask import apply_vocab_mask_
 
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
             vocab_size=2048, max_position=4096, seed=0)

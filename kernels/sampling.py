@@ -1,6 +1,6 @@
 """Grammar token bitmask applied to a batch of logits in one launch.
 
-Reference: ``worker.sampler.unpack_vocab_mask`` then ``masked_fill_(~allowed, -inf)``, which
+Reference: ``worker.vocab_mask.unpack_vocab_mask`` then ``masked_fill_(~allowed, -inf)``, which
 materialises a [B, V] bool tensor (V = 128k for Llama 3). The kernel reads the packed int32
 words directly (xgrammar layout: bit j of word w allows token 32 * w + j).
 """

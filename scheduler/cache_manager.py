@@ -93,11 +93,7 @@ class CacheManager:
 
         Only for a request that holds no slots (new, or retracted)."""
         assert req.req_pool_idx is None, f"{req!r} already holds slots"
-        key = self.key(req, req.max_prefix_len())
-        if self.hicache is not None:
-            result, req.host_nodes = self.hicache.match_tiers(key)
-        else:
-            result = self.tree.match_prefix(key)
+        result, req.host_nodes = self.tree.match_tiers(self.key(req, req.max_prefix_len()))
         req.prefix_indices, req.last_node = result.indices, result.last_node
         req.loaded_len = 0
         return len(result.indices) + sum(len(n.key) for n in req.host_nodes)
@@ -110,9 +106,9 @@ class CacheManager:
         ``last_node`` and ``loaded_len`` grow by it. If the device pool is too short for it,
         those tokens are computed instead."""
         self.tree.inc_lock_ref(req.last_node)
-        nodes, req.host_nodes = req.host_nodes, []
-        if nodes and self.hicache.load_back(nodes):
-            result = self.hicache.match_prefix(self.key(req, req.max_prefix_len()))
+        nodes, req.host_nodes = req.host_nodes, []  # host-only nodes exist with a host tier
+        if nodes and self.tree.load_back(nodes):
+            result = self.tree.match_prefix(self.key(req, req.max_prefix_len()))
             self.tree.inc_lock_ref(result.last_node)
             self.tree.dec_lock_ref(req.last_node)
             req.loaded_len = len(result.indices) - req.tree_len
@@ -171,7 +167,7 @@ class CacheManager:
     def take_kv_copies(self):
         """The host<->device copies queued since the last batch, for the batch being built:
         ``(kv_store, kv_load)`` as ``ForwardBatch`` takes them. Clears the queue."""
-        return (None, None) if self.hicache is None else self.hicache.take_copies()
+        return self.tree.take_copies()
 
     # ------------------------------------------------------------------ hand-over
     def _slots(self, req: Req) -> torch.Tensor:
@@ -254,5 +250,4 @@ class CacheManager:
             assert torch.equal(row, r.prefix_indices.to(row.dtype)), f"{r!r}: row != prefix"
         if not holders:
             assert self.tree.protected_size() == 0, "a lock outlived its request"
-        if self.hicache is not None:
-            self.hicache.check_tiers()
+        self.tree.check_tiers()

@@ -8,8 +8,8 @@ batch token bitmask, and jump-forward with boundary re-tokenization.
   (a retracted request re-creates its matcher from its output tokens).
 - ``MaskFiller`` / ``allocate_vocab_mask``: the batch bitmask ``[B, ceil(V/32)]`` int32 in
   xgrammar's layout (bit ``j`` of word ``w`` is token ``32w + j``, set = allowed), which
-  ``worker/sampler.py`` unpacks from ``ForwardBatch.vocab_mask``. Unconstrained rows are all
-  ones.
+  the sampler applies from ``ForwardBatch.vocab_mask`` (``worker/vocab_mask.py``).
+  Unconstrained rows are all ones.
 
 Jump-forward needs grammars compiled with ``any_whitespace=False`` (``grammar.py`` does so for
 JSON): with free whitespace nothing is ever forced.

@@ -245,11 +245,7 @@ class HiRadixCache(RadixCache):
             if (parent is not self.root and parent.value is None and not parent.children
                     and parent not in self._pinned):
                 self._host_evictable.add(parent)
-        if released:
-            self.host_allocator.free(torch.cat(released))
-        self._host_size -= freed
-        self.stats.host_evicted += freed
-        return freed
+        return self._release_host(released, freed)
 
     def _drop_device_copies(self, num_tokens: int) -> int:
         """Free host slots by dropping the host copies of nodes that are on the device too,
@@ -277,11 +273,15 @@ class HiRadixCache(RadixCache):
             released.append(node.host_value)
             freed += len(node.key)
             node.host_value = None
+        return self._release_host(released, freed)
+
+    def _release_host(self, released: list[torch.Tensor], tokens: int) -> int:
+        """Give evicted host copies' slots (``tokens`` in all) back; returns ``tokens``."""
         if released:
             self.host_allocator.free(torch.cat(released))
-        self._host_size -= freed
-        self.stats.host_evicted += freed
-        return freed
+        self._host_size -= tokens
+        self.stats.host_evicted += tokens
+        return tokens
 
     def _remove_subtree(self, node: TreeNode) -> None:
         """Take ``node`` (whose device slots the caller frees) out of the tree, freeing the host

@@ -24,14 +24,12 @@ whatever lock guards the scheduler's state held (in radixray, from the scheduler
 from __future__ import annotations
 
 import itertools
-import struct
 from typing import NamedTuple
 
 import torch
 
 from .eviction_policy import EvictionQueue
-
-_BYTES_PER_TOKEN = 4  # token ids are packed as native int32
+from .radix_key import _BYTES_PER_TOKEN, RadixKey
 
 
 def _head(slots: torch.Tensor | None, n: int) -> torch.Tensor | None:
@@ -40,61 +38,6 @@ def _head(slots: torch.Tensor | None, n: int) -> torch.Tensor | None:
 
 def _tail(slots: torch.Tensor | None, n: int) -> torch.Tensor | None:
     return None if slots is None else slots[n:]
-
-
-def _pack(token_ids: list) -> bytes:
-    try:
-        return struct.pack(f"={len(token_ids)}i", *token_ids)
-    except struct.error as e:
-        raise ValueError(f"RadixKey.token_ids must be ints in the int32 range ({e})") from None
-
-
-class RadixKey:
-    """A token sequence plus an optional ``extra_key`` (LoRA id, cache salt, ...).
-
-    Keys with different ``extra_key`` never share a prefix. ``token_ids`` is copied into a list,
-    and packed once into ``packed`` (int32 bytes) on which the tree compares edges.
-    """
-
-    __slots__ = ("token_ids", "extra_key", "packed")
-
-    def __init__(self, token_ids, extra_key=None):
-        if isinstance(token_ids, torch.Tensor):
-            token_ids = token_ids.tolist()
-        try:
-            hash(extra_key)
-        except TypeError:
-            raise ValueError(f"RadixKey.extra_key must be hashable, got {type(extra_key).__name__}")
-        self.token_ids = list(token_ids)
-        self.extra_key = extra_key
-        self.packed = _pack(self.token_ids)
-
-    def __len__(self) -> int:
-        return len(self.token_ids)
-
-    def __getitem__(self, index):
-        if not isinstance(index, slice):
-            return self.token_ids[index]
-        start, stop, step = index.indices(len(self.token_ids))
-        if step != 1:
-            raise ValueError("RadixKey slices must be contiguous (step 1)")
-        stop = max(stop, start)
-        out = RadixKey.__new__(RadixKey)
-        out.token_ids = self.token_ids[start:stop]
-        out.extra_key = self.extra_key
-        out.packed = self.packed[start * _BYTES_PER_TOKEN : stop * _BYTES_PER_TOKEN]
-        return out
-
-    def __eq__(self, other) -> bool:
-        return (isinstance(other, RadixKey) and self.extra_key == other.extra_key
-                and self.token_ids == other.token_ids)
-
-    __hash__ = None  # mutable-looking and compared by value: not a dict key
-
-    def __repr__(self) -> str:
-        ids = self.token_ids if len(self) <= 8 else [*self.token_ids[:8], "..."]
-        extra = "" if self.extra_key is None else f", extra_key={self.extra_key!r}"
-        return f"RadixKey({ids}, len={len(self)}{extra})"
 
 
 class TreeNode:
@@ -410,6 +353,19 @@ class RadixCache:
         if values:
             self.allocator.free(torch.cat(values))
         self._init_tree()
+
+    # ---- tiers: one here (the device); HiRadixCache (hicache.py) adds the host ---------------
+
+    def match_tiers(self, key: RadixKey) -> tuple[MatchResult, list[TreeNode]]:
+        """``match_prefix`` and the host-only nodes that continue it: none without a host tier."""
+        return self.match_prefix(key), []
+
+    def take_copies(self) -> tuple[None, None]:
+        """Tier copies queued for the next batch (stores, loads): none without a host tier."""
+        return None, None
+
+    def check_tiers(self) -> None:
+        """Per-tier consistency checks: the device tier's are ``check_invariant``'s."""
 
     # ---- helpers -----------------------------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """Constrained decoding (scheduler/grammar.py) driven by a random "model".
 
 The model is random logits (plus a fixed bias toward tokens holding a closing character, so
-strings and numbers end within a few dozen tokens), masked by the grammar through the
-sampler's own ``unpack_vocab_mask``, then sampled: a plain loop, no scheduler. Whatever it
+strings and numbers end within a few dozen tokens), masked by the grammar through
+the reference ``unpack_vocab_mask``, then sampled: a plain loop, no scheduler. Whatever it
 samples must be valid under the grammar, so these tests check the masks, the matcher updates
 and jump-forward, not the model.
 """
@@ -21,7 +21,7 @@ from grammar_cases import SCHEMAS as SHARED_SCHEMAS
 from radixray.scheduler.grammar import (JSON_OBJECT_SCHEMA, GrammarBackend, GrammarError,
                                         validate_grammar)
 from radixray.scheduler.grammar_state import JUMP_WINDOW, MaskFiller, allocate_vocab_mask
-from radixray.worker.sampler import unpack_vocab_mask
+from radixray.worker.vocab_mask import unpack_vocab_mask
 
 VOCAB = 2048
 EOS = 1

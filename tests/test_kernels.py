@@ -30,7 +30,7 @@ from radixray.scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocato
 from radixray.worker.attention import AttentionMetadata, KVCache, TorchNativeBackend  # noqa: E402
 from radixray.worker.forward_batch import ForwardBatch  # noqa: E402
 from radixray.worker.model_runner import ModelRunner, RunnerConfig  # noqa: E402
-from radixray.worker.sampler import unpack_vocab_mask  # noqa: E402
+from radixray.worker.vocab_mask import unpack_vocab_mask  # noqa: E402
 from radixray.worker.sampling_params import SamplingParams  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"

@@ -9,8 +9,9 @@ import torch
 
 from radixray.worker.forward_batch import ForwardBatch
 from radixray.worker.sampler import (Sampler, filter_logits, seed_for_step, token_logprobs,
-                                     top_logprobs, unpack_vocab_mask)
+                                     top_logprobs)
 from radixray.worker.sampling_params import SamplingParams
+from radixray.worker.vocab_mask import unpack_vocab_mask
 
 EOS = 3
 # The sampler's own tests run on CPU; where a GPU is present the key ones also run on it.
