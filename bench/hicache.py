@@ -9,7 +9,9 @@ the offline Engine), greedy, and appends the reply. By the last turn the histori
 evicted by the time its conversation comes back and is prefilled again. With
 ``--enable-hierarchical-cache`` (host pool ``--hicache-ratio`` x the device pool) it is
 loaded back from host memory instead. Same workload, same process, one run per configuration;
-prints prefill tokens computed, host-hit tokens, wall time and throughput, with ratios.
+prints prefill tokens computed, host-hit tokens, forward batches (and how many of them
+carried tier copies only: a load is confirmed by the output of the batch that carries it
+before its request runs), wall time and throughput, with ratios.
 Outputs are checked to be identical across configurations. Replies are short by default
 (4 tokens) so that prompt processing, which the tier saves, dominates the time, as it does for
 time to first token; decode steps cost the same in every configuration.
@@ -52,6 +54,8 @@ def run(model: str, args, **server_args) -> dict:
         return {"outputs": outputs, "seconds": elapsed, "prefill": stats.prefill_tokens,
                 "prompt": stats.prompt_tokens, "generated": stats.generated_tokens,
                 "host_hits": stats.host_cached_tokens, "cached": stats.cached_tokens,
+                "batches": stats.num_prefill_batches + stats.num_decode_batches
+                + stats.num_copy_batches, "copy_batches": stats.num_copy_batches,
                 "history": sum(len(h) for h in history)}
 
 
@@ -85,13 +89,14 @@ def main() -> None:
           f"{args.reply_tokens} reply tokens a turn); final history {base['history']} tokens "
           f"= {base['history'] / args.pool:.1f}x the {args.pool}-token device pool; host pool "
           f"{args.hicache_ratio:g}x")
-    print(f"{'config':18} {'prefill tok':>11} {'host hits':>10} {'seconds':>8} {'tok/s':>8} "
-          f"{'prefill vs base':>16} {'speed vs base':>14}")
+    print(f"{'config':18} {'prefill tok':>11} {'host hits':>10} {'batches':>8} {'copy-only':>9} "
+          f"{'seconds':>8} {'tok/s':>8} {'prefill vs base':>16} {'speed vs base':>14}")
     for name, r in results.items():
         assert r["outputs"] == base["outputs"], f"{name}: outputs differ from device only"
         rate = (r["prompt"] + r["generated"]) / r["seconds"]
         base_rate = (base["prompt"] + base["generated"]) / base["seconds"]
-        print(f"{name:18} {r['prefill']:11d} {r['host_hits']:10d} {r['seconds']:8.2f} "
+        print(f"{name:18} {r['prefill']:11d} {r['host_hits']:10d} {r['batches']:8d} "
+              f"{r['copy_batches']:9d} {r['seconds']:8.2f} "
               f"{rate:8.0f} {r['prefill'] / base['prefill']:15.2f}x {rate / base_rate:13.2f}x")
     print("outputs identical across configurations")
 

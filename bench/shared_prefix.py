@@ -95,6 +95,9 @@ def run_hf(model_path: str, prompts, output_len: int, batch_size: int, repeat: i
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    # like ignore_eos: EOS may be sampled and does not stop (min_new_tokens would instead
+    # forbid EOS, changing greedy outputs wherever EOS is the argmax)
+    model.generation_config.eos_token_id = None
     pad = 2
 
     def generate(batch):
@@ -102,7 +105,7 @@ def run_hf(model_path: str, prompts, output_len: int, batch_size: int, repeat: i
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
-                             min_new_tokens=output_len, do_sample=False, pad_token_id=pad)
+                             do_sample=False, pad_token_id=pad)
         return gen[:, width:].tolist()
 
     generate(prompts[:batch_size])  # warm-up
@@ -165,7 +168,8 @@ def main() -> None:
     ap.add_argument("--question-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--hf-batch-size", type=int, default=16)
-    ap.add_argument("--max-total-tokens", type=int, default=65536)
+    ap.add_argument("--max-total-tokens", type=int, default=None,
+                    help="KV pool size (default: every prompt and output, even unshared)")
     ap.add_argument("--repeat", type=int, default=2, help="runs per system; the best counts")
     ap.add_argument("--model", help="model folder (default: make a tiny Llama)")
     args = ap.parse_args()
@@ -182,7 +186,7 @@ def main() -> None:
           f"{args.system_len} + question {args.question_len} tokens, {args.output_len} out")
 
     minimum, total_prompt = trie_tokens(prompts), sum(len(p) for p in prompts)
-    common = dict(max_total_tokens=args.max_total_tokens)
+    common = dict(max_total_tokens=args.max_total_tokens or total_prompt + n_out + 1024)
     out_len, repeat = args.output_len, args.repeat
     runs = {
         "radixray lpm": run_radixray(model_path, prompts, out_len, repeat,

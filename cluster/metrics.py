@@ -43,6 +43,8 @@ COUNTERS = {
     "cached_tokens_total": "Prompt tokens served from the radix cache.",
     "host_cached_tokens_total": "Of cached_tokens_total, those loaded back from the host-memory "
                                 "tier (hierarchical cache).",
+    "hicache_copy_failures_total": "Batches whose device<->host KV copies failed on a worker "
+                                   "(hierarchical cache); what they carried is recomputed.",
     "num_requests_total": "Requests finished (any reason).",
     "num_aborted_requests_total": "Requests aborted (client gone, abort call, error).",
     "num_retracted_reqs_total": "Running requests retracted to free KV-cache memory.",

@@ -40,6 +40,9 @@ class ScheduleBatch:
     # batch is submitted; results may be processed a step later, under overlap scheduling).
     start_lens: list[int] | None = None
     seq_lens: list[int] | None = None
+    # Hierarchical cache: the ticket of the tier copies the forward batch carries (settled
+    # from the output by Scheduler.process_output), or None.
+    copies: object | None = None
 
     @property
     def reqs(self) -> list[Req]:
@@ -64,8 +67,20 @@ class ScheduleBatch:
         fb = _forward_batch(prefill, decode, cache, out_cache_loc, starts)
         # hierarchical cache: tier copies decided up to now (this batch's evictions and
         # loads included) run on the worker before this batch's forward
-        fb.kv_store, fb.kv_load = cache.take_kv_copies()
-        return cls(prefill, decode, fb, starts)
+        fb.kv_store, fb.kv_load, copies = cache.take_kv_copies()
+        return cls(prefill, decode, fb, starts, copies=copies)
+
+    @classmethod
+    def copies_only(cls, cache: CacheManager) -> "ScheduleBatch":
+        """A batch of no requests that carries the queued tier copies: what a step sends
+        when requests wait for a load and nothing else runs. Mutates the copy queue."""
+        empty = torch.empty(0, dtype=torch.int64)
+        fb = ForwardBatch(input_ids=empty, positions=empty, req_pool_indices=empty,
+                          prefix_lens=empty, extend_lens=empty, out_cache_loc=empty,
+                          prefix_slots=empty, prefix_slot_lens=empty, sampling_params=[],
+                          output_lens=empty)
+        fb.kv_store, fb.kv_load, copies = cache.take_kv_copies()
+        return cls([], [], fb, [], copies=copies)
 
 
 def _input_logprob_start(req: Req) -> int:

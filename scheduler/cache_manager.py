@@ -7,8 +7,8 @@
 - ``tree``: the radix cache, which owns the slots of every cached prefix.
 
 A slot is always in exactly one place: free, in the tree, or held by one live request as part
-of ``row[tree_len:cached_len]`` (see ``request.py`` for the length words). ``check_invariant``
-verifies that the three add up to the pool size.
+of ``row[tree_len:cached_len]`` (see ``request.py`` for the length words), or (hierarchical
+cache) by a pending load. ``check_invariant`` verifies that they add up to the pool size.
 
 The lifecycle of a request's slots:
 
@@ -22,9 +22,11 @@ The lifecycle of a request's slots:
    Or ``release`` on retraction: own slots freed, nothing inserted.
 
 With a host pool (``host_pool_size > 0``, the hierarchical cache) the tree is a
-``HiRadixCache``: ``match`` also finds the host-only continuation of the prefix, ``lock`` loads
-it back into device slots, and every batch takes the queued tier copies (``take_kv_copies``).
-The host tier has its own ledger: host free + host cached == host pool.
+``HiRadixCache``: ``match`` also finds the host-only continuation of the prefix and
+``start_load`` brings it back into device slots; the request waits until the batch carrying
+the copy has come back (``ack_kv_copies``), then matches it on the device. Every batch takes
+the queued tier copies (``take_kv_copies``). Pending loads hold device slots outside the tree
+(``loading_size``), and the host tier has its own ledger: host free + host cached == host pool.
 """
 
 from __future__ import annotations
@@ -88,31 +90,45 @@ class CacheManager:
     def match(self, req: Req) -> int:
         """Point ``req.prefix_indices`` / ``req.last_node`` at its longest usable cached prefix
         and return its length. Locks nothing: call ``lock`` before anything can evict.
-        With the host tier, ``req.host_nodes`` continue the prefix on the host; their tokens
-        count in the returned length, and ``lock`` loads them.
+        With the host tier, ``req.host_nodes`` continue the prefix on the host (their tokens
+        count in the returned length; ``start_load`` loads them), and ``req.loaded_len`` says
+        how much of the device prefix a load of this request brought back.
 
         Only for a request that holds no slots (new, or retracted)."""
         assert req.req_pool_idx is None, f"{req!r} already holds slots"
         result, req.host_nodes = self.tree.match_tiers(self.key(req, req.max_prefix_len()))
         req.prefix_indices, req.last_node = result.indices, result.last_node
-        req.loaded_len = 0
+        start, end = req.load_range or (0, 0)
+        req.loaded_len = max(min(end, req.tree_len) - start, 0)
         return len(result.indices) + sum(len(n.key) for n in req.host_nodes)
 
-    def lock(self, req: Req) -> None:
-        """Protect ``req``'s matched prefix from eviction (moves it out of evictable).
+    def start_load(self, req: Req, room: float) -> bool:
+        """Start loading the host-tier part of ``req``'s match (``req.host_nodes``) back to the
+        device, or join the load already bringing it; True if ``req`` must now wait for
+        ``req.load`` to be done (then match again). False when there is nothing to load, when
+        the load plus the matched device prefix it locks (where still unlocked) would take
+        more than ``room`` free or evictable slots, or when the pool is short: ``lock`` then
+        leaves those tokens to be computed.
 
-        A prefix that continues on the host tier is first loaded back into device slots (a
-        copy queued for the next batch) and then locked whole: ``prefix_indices``,
-        ``last_node`` and ``loaded_len`` grow by it. If the device pool is too short for it,
-        those tokens are computed instead."""
+        Mutates: the tree and device allocator (``HiRadixCache.start_load``), ``req.load``,
+        ``req.load_range``, ``req.host_nodes`` (cleared)."""
+        nodes, req.host_nodes = req.host_nodes, []
+        node, takes = req.last_node, sum(len(n.key) for n in nodes)
+        while node is not self.tree.root and node.lock_ref == 0:  # ancestors of a lock are locked
+            takes += len(node.key)
+            node = node.parent
+        job = self.tree.start_load(nodes) if takes <= room else None
+        if job is None:
+            return False
+        req.load = job
+        req.load_range = (req.tree_len, req.tree_len + sum(len(n.key) for n in nodes))
+        return True
+
+    def lock(self, req: Req) -> None:
+        """Protect ``req``'s matched device prefix from eviction (moves it out of evictable).
+        Host-tier tokens not loaded by now (``req.host_nodes``) are computed."""
         self.tree.inc_lock_ref(req.last_node)
-        nodes, req.host_nodes = req.host_nodes, []  # host-only nodes exist with a host tier
-        if nodes and self.tree.load_back(nodes):
-            result = self.tree.match_prefix(self.key(req, req.max_prefix_len()))
-            self.tree.inc_lock_ref(result.last_node)
-            self.tree.dec_lock_ref(req.last_node)
-            req.loaded_len = len(result.indices) - req.tree_len
-            req.prefix_indices, req.last_node = result.indices, result.last_node
+        req.host_nodes = []
 
     def unlock(self, req: Req) -> None:
         self.tree.dec_lock_ref(req.last_node)
@@ -128,6 +144,7 @@ class CacheManager:
         self.rows.write(row, 0, req.prefix_indices)
         req.req_pool_idx = row
         req.cached_len = req.tree_len
+        req.load_range = None  # counted (``loaded_len``) by the match that admitted it
 
     def evict_for(self, num_slots: int) -> None:
         """Make at least ``num_slots`` slots free by evicting unlocked cache, if needed."""
@@ -166,8 +183,18 @@ class CacheManager:
 
     def take_kv_copies(self):
         """The host<->device copies queued since the last batch, for the batch being built:
-        ``(kv_store, kv_load)`` as ``ForwardBatch`` takes them. Clears the queue."""
+        ``(kv_store, kv_load, ticket)``: the first two as ``ForwardBatch`` takes them, the
+        ticket for ``ack_kv_copies``. Clears the queue."""
         return self.tree.take_copies()
+
+    def has_queued_copies(self) -> bool:
+        return self.tree.has_queued_copies()
+
+    def ack_kv_copies(self, ticket, stores_ok: bool, loads_ok: bool) -> None:
+        """Settle the copies of a batch whose output is back (``HiRadixCache.ack_copies``):
+        failed stores drop host copies; loads join the tree, or free their slots and drop
+        their host copies when they (or a store they read) failed."""
+        self.tree.ack_copies(ticket, stores_ok, loads_ok)
 
     # ------------------------------------------------------------------ hand-over
     def _slots(self, req: Req) -> torch.Tensor:
@@ -235,19 +262,21 @@ class CacheManager:
         return (-(-req.cached_len // p) - req.tree_len // p) * p
 
     def check_invariant(self, live: list[Req]) -> None:
-        """Raise AssertionError unless free + tree + held-by-live-requests == pool size, the
-        tree's sizes agree, every live row starts with its tree prefix, and no lock outlives
-        its request."""
+        """Raise AssertionError unless free + tree + held-by-live-requests + pending loads ==
+        pool size, the tree's sizes agree, every live row starts with its tree prefix, and no
+        lock outlives its request."""
         holders = [r for r in live if r.req_pool_idx is not None]
         free, in_tree = self.allocator.available_size(), self.tree.total_size()
         held = sum(self.owned_slots(r) for r in holders)
-        assert free + in_tree + held == self.pool_size, (
-            f"slot leak: free {free} + tree {in_tree} + held {held} != pool {self.pool_size}")
+        loading = self.tree.loading_size()  # pending host->device loads, outside the tree
+        assert free + in_tree + held + loading == self.pool_size, (
+            f"slot leak: free {free} + tree {in_tree} + held {held} + loading {loading} "
+            f"!= pool {self.pool_size}")
         assert self.tree.evictable_size() + self.tree.protected_size() == in_tree
         assert self.rows.available_size() + len(holders) == self.rows.size, "request row leak"
         for r in holders:
             row = self.rows.read(r.req_pool_idx, r.tree_len)
             assert torch.equal(row, r.prefix_indices.to(row.dtype)), f"{r!r}: row != prefix"
-        if not holders:
+        if not holders and not loading:  # a pending load locks the node above its path
             assert self.tree.protected_size() == 0, "a lock outlived its request"
         self.tree.check_tiers()

@@ -34,7 +34,10 @@ class SchedulerConfig:
     # Check the memory invariant after every step (slow; for tests and debugging).
     debug_invariants: bool = False
     # Overlap scheduling: build and submit batch N+1 while batch N runs (see scheduler.py).
-    disable_overlap_schedule: bool = False
+    # None: on when the runner computes beside the scheduler (worker processes, a GPU), off
+    # for an in-process CPU runner, whose forward competes for the scheduler's cores and GIL
+    # (measured 0.7x in bench/shared_prefix.py); True/False turn it off/on regardless.
+    disable_overlap_schedule: bool | None = None
     random_seed: int = 0  # for the `random` queue policy
     # Constrained decoding (constrained.py): skip decode steps for text the grammar forces,
     # and give up on a grammar whose compilation takes longer than this (seconds).
@@ -75,8 +78,11 @@ class SchedulerConfig:
         check(self.radix_eviction_policy in EVICTION_POLICIES, "radix_eviction_policy",
               f"must be one of {', '.join(EVICTION_POLICIES)}")
         for name in ("disable_radix_cache", "enable_mixed_chunk", "debug_invariants",
-                     "disable_overlap_schedule", "disable_jump_forward"):
+                     "disable_jump_forward"):
             check(isinstance(getattr(self, name), bool), name, "must be true or false")
+        check(self.disable_overlap_schedule is None
+              or isinstance(self.disable_overlap_schedule, bool), "disable_overlap_schedule",
+              "must be true, false or unset")
         check(is_int(self.random_seed), "random_seed", "must be an integer")
         check(isinstance(self.grammar_compile_timeout, (int, float))
               and not isinstance(self.grammar_compile_timeout, bool)

@@ -3,7 +3,8 @@
 A node's KV may live in device slots (``value``), in host slots (``host_value``), or both.
 The scheduler owns both slot tables (``allocator`` for the device pool, ``host_allocator`` for
 the host pool); the K/V data lives in the worker, which copies it between the tiers when a
-batch carries copy lists (``take_copies``, see ``worker/host_pool.py``).
+batch carries copy lists. Queuing those copies and settling them from the batch's output
+(including copies that failed) is ``TierCopies``' job (``hicache_copies.py``).
 
 Rules that keep the tiers consistent:
 
@@ -15,15 +16,14 @@ Rules that keep the tiers consistent:
   ``value = None``; without one (the host pool was full) it is removed with its subtree.
 - Host eviction takes host-only leaves first (LRU, or the tree's policy) and removes them;
   when that is not enough, it drops the host copies of nodes that are on the device too
-  (least recently used first), which stay in the tree on the device only.
-- Copies are queued as they are decided and drained into the next ``ForwardBatch``. The worker
-  runs a batch's stores, then its loads, before its forward, and batches run in submission
-  order; so a store reads its device slots before anything the same batch computes or loads
-  reuses them, and a load sees every earlier store. Nothing here waits for a copy.
-- Host-pool exhaustion only means fewer host copies: those prefixes are recomputed later.
+  (least recently used first), which stay in the tree on the device only. Nodes being loaded
+  are pinned: neither touches them.
+- Host-pool exhaustion or a failed copy only means fewer host copies: those prefixes are
+  recomputed later.
 
-Sizes: ``total_size``/``evictable_size``/``protected_size`` count device tokens (as in
-``RadixCache``); ``host_size`` counts tokens with a host copy.
+Sizes: ``total_size``/``evictable_size``/``protected_size`` count device tokens in the tree (as
+in ``RadixCache``); ``loading_size`` the device slots of loads not acknowledged yet;
+``host_size`` tokens with a host copy.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch
 
 from .config import WRITE_POLICIES
 from .eviction_policy import EvictionQueue
+from .hicache_copies import TierCopies
 from .memory_pool import TokenToKVPoolAllocator
 from .radix_cache import MatchResult, RadixCache, RadixKey, TreeNode
 
@@ -42,15 +43,18 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 
 @dataclass
 class HiCacheStats:
-    """Running totals in tokens (tests and the benchmark read them)."""
+    """Running totals (tests, the benchmark and metrics read them). Tokens unless noted."""
 
     stored: int = 0  # device -> host copies queued
-    loaded: int = 0  # host -> device copies queued
+    loaded: int = 0  # host -> device copies acknowledged and used
     host_evicted: int = 0  # host copies dropped to make room
-    backup_failed: int = 0  # tokens that found the host pool full (recomputed if needed again)
+    backup_failed: int = 0  # found the host pool full (recomputed if needed again)
+    store_failures: int = 0  # batches whose stores failed on some rank (count)
+    load_failures: int = 0  # batches whose loads failed on some rank (count)
+    failed_tokens: int = 0  # host copies dropped because a copy failed
 
 
-class HiRadixCache(RadixCache):
+class HiRadixCache(TierCopies, RadixCache):
     def __init__(self, allocator, host_allocator: TokenToKVPoolAllocator, page_size: int = 1,
                  eviction_policy: str = "lru", write_policy: str = "write_through"):
         if write_policy not in WRITE_POLICIES:
@@ -68,10 +72,7 @@ class HiRadixCache(RadixCache):
         self._host_size = 0
         # Host-only leaves (no children at all), in policy order: what host eviction takes.
         self._host_evictable = EvictionQueue(self.eviction_policy)
-        self._pinned: set = set()  # host-only nodes being loaded: host eviction leaves them
-        self._stores: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device, host) slots
-        self._loads: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host, device) slots
-        self._loading: set = set()  # nodes whose queued load is not in a batch yet
+        self._init_copies()
 
     def host_size(self) -> int:
         """Tokens with a host copy (host slots held by the tree)."""
@@ -86,7 +87,7 @@ class HiRadixCache(RadixCache):
     def match_tiers(self, key: RadixKey) -> tuple[MatchResult, list[TreeNode]]:
         """Longest cached prefix over both tiers: (its device part, as ``match_prefix`` gives
         it, and the host-only nodes that continue it, in path order). Loads nothing; pass the
-        nodes to ``load_back`` once the device part is locked.
+        nodes to ``start_load``.
 
         Mutates: access times on the path, maybe a split (sizes unchanged)."""
         self._check_key(key)
@@ -117,7 +118,8 @@ class HiRadixCache(RadixCache):
 
     def _adopt(self, key: RadixKey, value: torch.Tensor, n: int) -> int | None:
         """Give the host-only nodes on ``key[:n]``'s path device slots from ``value``; return
-        the offset of the first one (None when there is none)."""
+        the offset of the first one (None when there is none). A node being loaded may be
+        adopted too: its load's slots are then surplus (``_finish_load``)."""
         _, _, path = self._walk(key, n, next(self._clock))
         offset, first, adopted = 0, None, []
         for p in path:
@@ -140,48 +142,6 @@ class HiRadixCache(RadixCache):
 
     # ---- tier moves --------------------------------------------------------------------------
 
-    def load_back(self, nodes: list[TreeNode]) -> int:
-        """Bring the host-only ``nodes`` (a path hanging below a locked device node, from
-        ``match_tiers``) back to the device: allocate device slots (evicting if needed) and
-        queue one host->device copy. Returns the tokens loaded; 0 when the device pool is too
-        short, and then nothing changes (the caller recomputes them). The loaded nodes are
-        unlocked: lock the last one.
-
-        Mutates: device allocator and sizes, the nodes' ``value``, eviction queues, copies."""
-        valid = []
-        for node in nodes:  # stale input (evicted meanwhile) ends the usable path
-            if node.parent is None or node.value is not None or node.host_value is None:
-                break
-            valid.append(node)
-        total = sum(len(node.key) for node in valid)
-        if total == 0:
-            return 0
-        self._pinned.update(valid)
-        for node in valid:
-            self._host_evictable.discard(node)
-        try:
-            self.evict(total - self.allocator.available_size())
-            slots = self.allocator.alloc(total)
-        finally:
-            self._pinned.difference_update(valid)
-        if slots is None:
-            last = valid[-1]
-            if not last.children:
-                self._host_evictable.add(last)
-            return 0
-        offset = 0
-        for node in valid:
-            node.value = slots[offset : offset + len(node.key)]
-            offset += len(node.key)
-        self._evictable.discard(valid[0].parent)
-        if self._device_leaf(valid[-1]):
-            self._evictable.add(valid[-1])
-        self._evictable_size += total
-        self._loads.append((torch.cat([node.host_value for node in valid]), slots))
-        self._loading.update(valid)
-        self.stats.loaded += total
-        return total
-
     def _backup(self, node: TreeNode) -> bool:
         """Give device node ``node`` a host copy (queue the store); False if the host pool is
         full even after host eviction."""
@@ -196,11 +156,10 @@ class HiRadixCache(RadixCache):
         if slots is None:
             self.stats.backup_failed += size
             return False
-        node.host_value = slots
-        self._host_size += size
-        self._stores.append((node.value, slots))
-        self.stats.stored += size
+        self._queue_store(node, slots)
         return True
+
+    # ---- eviction ----------------------------------------------------------------------------
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device slots from unlocked device leaves in policy
@@ -222,7 +181,7 @@ class HiRadixCache(RadixCache):
             node.value = None
             parent = node.parent
             if node.host_value is not None:
-                if not node.children:
+                if not node.children and node not in self._load_of:
                     self._host_evictable.add(node)
             else:
                 self._remove_subtree(node)
@@ -237,13 +196,13 @@ class HiRadixCache(RadixCache):
         freed, released = 0, []
         while freed < num_tokens and self._host_evictable:
             node = self._host_evictable.pop()
-            released.append(node.host_value)
             freed += len(node.key)
+            released.append(self._take_host_copy(node))
             parent = node.parent
             del parent.children[self._child_key(node.key)]
             node.parent = None
             if (parent is not self.root and parent.value is None and not parent.children
-                    and parent not in self._pinned):
+                    and parent not in self._load_of):
                 self._host_evictable.add(parent)
         return self._release_host(released, freed)
 
@@ -252,17 +211,16 @@ class HiRadixCache(RadixCache):
         least recently used first, until ``num_tokens`` are free; return how many. Under
         write_through every cached node has such a copy, so without this a full host pool
         would keep old prefixes' copies and refuse new ones. Skips nodes with host-only
-        children (they would be lost with the parent later) and nodes whose load is queued
-        but not in a batch yet (a store of the same batch, which runs first, could reuse the
-        slots). The node stays in the tree on the device.
+        children (they would be lost with the parent later) and nodes being loaded (their
+        load reads the copy). The node stays in the tree on the device.
 
-        Mutates: nodes' ``host_value``, the host allocator, ``host_size``."""
+        Mutates: nodes' ``host_value``, the host allocator, ``host_size``, queued stores."""
         candidates, stack = [], list(self.root.children.values())
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
             if (node.value is not None and node.host_value is not None
-                    and node not in self._loading
+                    and node not in self._load_of
                     and all(c.value is not None for c in node.children.values())):
                 candidates.append(node)
         candidates.sort(key=lambda n: n.last_access_time)
@@ -270,22 +228,21 @@ class HiRadixCache(RadixCache):
         for node in candidates:
             if freed >= num_tokens:
                 break
-            released.append(node.host_value)
             freed += len(node.key)
-            node.host_value = None
+            released.append(self._take_host_copy(node))
         return self._release_host(released, freed)
 
     def _release_host(self, released: list[torch.Tensor], tokens: int) -> int:
-        """Give evicted host copies' slots (``tokens`` in all) back; returns ``tokens``."""
+        """Free detached host copies' slots; count ``tokens`` as host-evicted; return it."""
         if released:
             self.host_allocator.free(torch.cat(released))
-        self._host_size -= tokens
         self.stats.host_evicted += tokens
         return tokens
 
     def _remove_subtree(self, node: TreeNode) -> None:
         """Take ``node`` (whose device slots the caller frees) out of the tree, freeing the host
-        copies of its subtree (host-only nodes, by the closure rule) and its own, if any."""
+        copies of its subtree (host-only nodes, by the closure rule) and its own, if any. The
+        subtree holds no node being loaded: a load's parent is locked, so is every ancestor."""
         del node.parent.children[self._child_key(node.key)]
         node.parent = None
         stack, released = [node], []
@@ -294,33 +251,18 @@ class HiRadixCache(RadixCache):
             stack.extend(n.children.values())
             self._host_evictable.discard(n)
             if n.host_value is not None:
-                released.append(n.host_value)
-                self._host_size -= len(n.key)
-        if released:
-            self.host_allocator.free(torch.cat(released))
+                released.append(self._take_host_copy(n))
+        self._release_host(released, 0)
 
     def _device_leaf(self, node: TreeNode) -> bool:
         return all(c.value is None for c in node.children.values())
 
-    def take_copies(self):
-        """The copies queued since the last call, for the next ForwardBatch:
-        ``(stores, loads)``, each ``(from_slots, to_slots)`` or None. Clears the queues."""
-        stores, loads = self._stores, self._loads
-        self._stores, self._loads = [], []
-        self._loading.clear()
-
-        def pack(pairs):
-            if not pairs:
-                return None
-            return torch.cat([a for a, _ in pairs]), torch.cat([b for _, b in pairs])
-
-        return pack(stores), pack(loads)
-
     def reset(self) -> None:
-        """Empty both tiers (queued copies are dropped). Refused while a lock is held."""
-        if self._protected_size:
+        """Empty both tiers (queued copies are dropped). Refused while a lock is held or a load
+        is pending (the scheduler flushes only when idle, with no batch in flight)."""
+        if self._protected_size or self._load_of:
             raise RuntimeError(f"reset: {self._protected_size} cached tokens are locked by "
-                               "running requests")
+                               f"running requests or pending loads")
         device, host, stack = [], [], list(self.root.children.values())
         while stack:
             node = stack.pop()
@@ -339,8 +281,8 @@ class HiRadixCache(RadixCache):
 
     def check_tiers(self) -> None:
         """Raise AssertionError unless every node has a copy somewhere, device nodes are
-        closed under parent, host-only nodes are unlocked, the per-tier sizes add up, and
-        host free + host cached == host pool."""
+        closed under parent, host-only nodes are unlocked, loading nodes are pinned, the
+        per-tier sizes add up, and host free + host cached == host pool."""
         device = host = 0
         stack = list(self.root.children.values())
         while stack:
@@ -356,7 +298,15 @@ class HiRadixCache(RadixCache):
                     f"{node!r}: on the device below a host-only parent"
             else:
                 assert node.lock_ref == 0, f"{node!r}: a host-only node is locked"
+            if node in self._load_of:
+                assert node.host_value is not None and node not in self._host_evictable, \
+                    f"{node!r}: a loading node without a pinned host copy"
             host += 0 if node.host_value is None else size
+        for node in self._host_evictable.leaves:
+            assert (node.parent is not None and node.value is None and not node.children
+                    and node.host_value is not None), f"{node!r}: not a host-only leaf"
+        jobs = {id(j): j for j in self._load_of.values()}.values()
+        assert self._loading_size == sum(len(j.device_slots) for j in jobs), "loading size"
         assert device == self.total_size(), f"device tokens {device} != {self.total_size()}"
         assert host == self._host_size, f"host tokens {host} != {self._host_size}"
         free = self.host_allocator.available_size()

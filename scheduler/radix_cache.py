@@ -360,9 +360,23 @@ class RadixCache:
         """``match_prefix`` and the host-only nodes that continue it: none without a host tier."""
         return self.match_prefix(key), []
 
-    def take_copies(self) -> tuple[None, None]:
-        """Tier copies queued for the next batch (stores, loads): none without a host tier."""
-        return None, None
+    def start_load(self, nodes: list[TreeNode]) -> None:
+        """Start loading host-only ``nodes`` back to the device: there are none here."""
+        return None
+
+    def loading_size(self) -> int:
+        """Device slots held by pending host->device loads: none without a host tier."""
+        return 0
+
+    def has_queued_copies(self) -> bool:
+        return False
+
+    def take_copies(self) -> tuple[None, None, None]:
+        """Tier copies queued for the next batch (stores, loads, ticket): none here."""
+        return None, None, None
+
+    def ack_copies(self, ticket, stores_ok: bool = True, loads_ok: bool = True) -> None:
+        """Settle a batch's tier copies (HiRadixCache): nothing to settle here."""
 
     def check_tiers(self) -> None:
         """Per-tier consistency checks: the device tier's are ``check_invariant``'s."""

@@ -71,7 +71,8 @@ class Req:
             raise ValueError("rid: must be a non-empty string")
         if not isinstance(input_ids, (list, tuple)) or not input_ids:
             raise ValueError("input_ids: must be a non-empty list of token ids")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in input_ids):
+        # type() is int: exact ints only (bool is an int subclass); min() after, once
+        if not all(type(t) is int for t in input_ids) or min(input_ids) < 0:
             raise ValueError("input_ids: token ids must be non-negative integers")
         if not isinstance(logprob_start_len, int) or not -1 <= logprob_start_len < len(input_ids):
             raise ValueError(f"logprob_start_len: must be -1 or in [0, {len(input_ids)}) "
@@ -105,9 +106,13 @@ class Req:
         # Set when the row changed under the worker's mirror of it (see CacheManager.
         # cache_unfinished): the next batch carries the whole prefix, even for a decode step.
         self.resend_prefix = False
-        # Hierarchical cache: host-only nodes continuing the matched prefix (set by match,
-        # loaded back by lock), and how many prefix tokens the last lock loaded from the host.
+        # Hierarchical cache: host-only nodes continuing the matched prefix (set by match),
+        # the load this request waits for (a hicache_copies.LoadJob, while it waits), the
+        # positions [start, end) that load brought back, and how many tokens of the matched
+        # prefix came from the host (set by match).
         self.host_nodes: list = []
+        self.load = None
+        self.load_range: tuple[int, int] | None = None
         self.loaded_len = 0
 
         # Accounting: prompt tokens served from the cache that this request had not computed
@@ -183,6 +188,7 @@ class Req:
         self.extend_len = 0
         self.resend_prefix = False
         self.host_nodes = []
+        self.load_range = None
         self.loaded_len = 0
 
     def __repr__(self) -> str:

@@ -11,16 +11,25 @@ One ``step()`` is one forward pass:
 3. ``process_output(batch, output)``: append tokens, check stops, hand finished requests' KV
    to the radix tree, and emit one ``RequestOutput`` per request that got a token or finished.
 
-Overlap scheduling (on unless ``disable_overlap_schedule``, when the runner has
-``submit``/``result``): ``advance`` moves every request's lengths on as soon as its batch is
-submitted, so batch N+1 can be built and submitted while batch N still runs; its decode inputs
-whose tokens N has not returned yet are future references (``batch.decode_input_ids``) that the
-worker resolves. N's results are processed while N+1 runs. A request N finishes has one wasted
+Overlap scheduling (when the runner has ``submit``/``result``; ``disable_overlap_schedule``
+True/False forces it off/on, unset leaves it to the runner's ``overlap_by_default``):
+``advance`` moves every request's lengths on as soon as its batch is submitted, so batch
+N+1 can be built and submitted while batch N still runs; its decode inputs whose tokens N
+has not returned yet are future references (``batch.decode_input_ids``) that the worker
+resolves. N's results are processed while N+1 runs. A request N finishes has one wasted
 step in N+1, which is skipped when its results come. Decodes and prefills of waiting requests
 overlap; what needs N's results first waits for it (``_can_overlap``): a possible retraction,
 a prompt mid-chunk, penalties (they need the newest token), a constrained request (the grammar
 barrier: its next mask needs the newest token accepted), and admitting waiting requests while
 N computes prompts they may share. Constrained decoding and jump-forward: see constrained.py.
+
+Hierarchical cache: a waiting request whose prefix continues in the host tier starts a load
+(``CacheManager.start_load``) and waits in ``loading`` instead of being admitted; the copy
+rides the next batch (a batch of copies only when nothing else runs), and when that batch's
+output confirms it the request returns to the queue and hits those tokens on the device. A
+failed copy (reported in the output, never raised) frees what the load held and drops the
+host copies, so the request recomputes them. Under overlap scheduling the step after a batch
+that carries loads waits for its results, so a host hit costs one batch of latency.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ from .policy import InBatchPrefixSharing, QueueView, make_policy
 from .prefill_adder import AddResult, PrefillAdder
 from .request import FinishReason, Req, RequestOutput
 from .stop import Decode, StopChecker
-from .token_ratio import NewTokenRatio
+from .token_ratio import CLIP_MAX_NEW_TOKENS, NewTokenRatio
 
 
 @dataclass
@@ -48,6 +57,7 @@ class SchedulerStats:
     num_prefill_batches: int = 0
     num_decode_batches: int = 0
     num_mixed_batches: int = 0
+    num_copy_batches: int = 0  # batches of hierarchical-cache copies only (no request)
     prefill_tokens: int = 0  # prompt tokens computed (chunks and re-prefills included)
     decode_tokens: int = 0
     num_retracted: int = 0
@@ -82,13 +92,16 @@ class Scheduler:
         self.stop = StopChecker(eos_token_ids, decode, self.max_context_len)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
+        self.loading: list[Req] = []  # waiting for a host-tier load (see the module docstring)
         self.chunked_req: Req | None = None  # a prompt mid-chunk; continues first
         self.last_batch: ScheduleBatch | None = None
         self.live: dict[str, Req] = {}  # every unfinished request by rid
         self.stats = SchedulerStats()
         self._outputs: list[RequestOutput] = []
-        self.overlap = (not config.disable_overlap_schedule and hasattr(runner, "submit")
-                        and hasattr(runner, "result"))
+        wanted = (getattr(runner, "overlap_by_default", True)
+                  if config.disable_overlap_schedule is None else
+                  not config.disable_overlap_schedule)
+        self.overlap = wanted and hasattr(runner, "submit") and hasattr(runner, "result")
         self._inflight: tuple[ScheduleBatch, object] | None = None  # (batch, runner handle)
         self.grammars = None if tokenizer is None else make_constrained(
             tokenizer, vocab_size or len(tokenizer), eos_token_ids, self.max_context_len,
@@ -127,9 +140,12 @@ class Scheduler:
         req = self.live.get(rid)
         if req is None:
             return False
-        if req in self.waiting or (self.grammars is not None and self.grammars.remove(req)):
-            if req in self.waiting:
-                self.waiting.remove(req)
+        if (req in self.waiting or req in self.loading
+                or (self.grammars is not None and self.grammars.remove(req))):
+            for queue in (self.waiting, self.loading):  # a loading request holds nothing:
+                if req in queue:  # its load goes on and fills the cache for others
+                    queue.remove(req)
+            req.load = None
             req.finish_reason = FinishReason.abort(message)
             self._emit(req, [])
             self._retire(req)
@@ -178,13 +194,21 @@ class Scheduler:
         tokens' values on this side (penalties and grammar masks do) nor a retraction (it
         would reset a request whose results are still coming), and no prompt is mid-chunk.
         Waiting requests also wait when the batch in flight computes prompts: those enter the
-        radix tree when its results are processed, and a waiting request may share them."""
+        radix tree when its results are processed, and a waiting request may share them; and
+        so do requests waiting for a host-tier load the batch in flight carries."""
         inflight_prefill = self._inflight is not None and bool(self._inflight[0].prefill)
         return (self.chunked_req is None and not (self.waiting and inflight_prefill)
+                and not (self.loading and self._inflight_loads())
                 and not any(r.sampling_params.has_penalties or r.grammar is not None
                             for r in self.running)
                 and decode_slots_needed(self.running, self.cache)
                 <= self.cache.available_and_evictable())
+
+    def _inflight_loads(self) -> bool:
+        """Whether the batch in flight carries host->device loads (taking its results first
+        lets the requests waiting for them run in the next batch, not the one after)."""
+        copies = self._inflight[0].copies if self._inflight is not None else None
+        return copies is not None and bool(copies.loads)
 
     def _finish_inflight(self) -> None:
         if self._inflight is not None:
@@ -195,7 +219,8 @@ class Scheduler:
     def _poll_grammars(self) -> None:
         """Requests whose grammar has compiled join the waiting queue (text it forces at the
         start is sent now); those whose compilation failed finish with an abort reason."""
-        idle = not (self.running or self.waiting or self.chunked_req or self._inflight)
+        idle = not (self.running or self.waiting or self.loading or self.chunked_req
+                    or self._inflight)
         for req, new_ids in self.grammars.poll(idle):
             if new_ids or req.finished:
                 self.stats.generated_tokens += len(new_ids)
@@ -219,6 +244,9 @@ class Scheduler:
         self._merge_last_prefill()
         self._reap_aborted()
         batch = self._prefill_batch() or self._decode_batch()
+        if batch is None and self.cache.has_queued_copies():
+            batch = ScheduleBatch.copies_only(self.cache)  # a load must not wait for work
+            self.stats.num_copy_batches += 1
         if batch is not None and self.grammars is not None:
             self.grammars.fill_mask(batch)
         self.last_batch = batch
@@ -256,6 +284,7 @@ class Scheduler:
             self.chunked_req = adder.add_chunked_req(continuing)
 
         admitted: list[Req] = []
+        loading: list[Req] = []
         if self.waiting and adder.budget_state() is AddResult.CONTINUE:
             self.policy.order(self.waiting, QueueView(self.cache, self.running))
             sharing = None if self.cache.disabled else InBatchPrefixSharing()
@@ -265,6 +294,9 @@ class Scheduler:
                 if len(admitted) >= self.cache.free_rows():
                     break
                 self.cache.match(req)
+                if req.host_nodes and self._start_load(req, adder):
+                    loading.append(req)  # back in the queue when the load is confirmed
+                    continue
                 if sharing is not None and sharing.hold_back(req):
                     continue
                 result = adder.add_one_req(req)
@@ -272,11 +304,11 @@ class Scheduler:
                     admitted.append(req)
                 if result is not AddResult.CONTINUE:
                     break
+        done = {id(r) for r in admitted + loading}
+        self.waiting = [r for r in self.waiting if id(r) not in done]
+        self.loading += loading
         if not adder.can_run:
             return None
-
-        done = {id(r) for r in admitted}
-        self.waiting = [r for r in self.waiting if id(r) not in done]
         for req in admitted:
             self.cache.assign_row(req)
             gained = max(req.tree_len - req.computed_len, 0)
@@ -290,6 +322,17 @@ class Scheduler:
             self.stats.num_mixed_batches += 1
         self.stats.num_prefill_batches += 1
         return ScheduleBatch.build(adder.can_run + extend, decode, self.cache)
+
+    def _start_load(self, req: Req, adder: PrefillAdder) -> bool:
+        """Start loading ``req``'s host-tier prefix if ``req`` would then fit the budget (the
+        test ``add_one_req`` applies, counting the prefix the load locks), so a load never
+        takes memory from requests admitted this round or holds it for one that cannot run;
+        True if ``req`` now waits for the load."""
+        alone = adder.alone and not adder.can_run
+        reserve = 0 if alone else min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS)
+        host = sum(len(n.key) for n in req.host_nodes)
+        rest = self.cache.slots_needed(0, req.total_len - req.tree_len) - host + reserve
+        return self.cache.start_load(req, adder.rem_total_tokens - rest)
 
     def _decode_batch(self) -> ScheduleBatch | None:
         if not self.running:
@@ -326,6 +369,8 @@ class Scheduler:
         """Apply one forward's results (``advance`` ran at submission): append sampled tokens,
         check stops, cache prompts, retire finished requests, queue their outputs. Requests
         that finished meanwhile (a wasted overlap step, an abort) are skipped."""
+        if batch.copies is not None:
+            self._settle_copies(batch.copies, output)
         next_ids = output.next_token_ids.tolist()
         num_prefill = len(batch.prefill)
         already_done = {id(r) for r in batch.reqs if r.finished}
@@ -366,6 +411,20 @@ class Scheduler:
         if batch.decode:
             self.running = [r for r in self.running if not r.finished]
 
+    def _settle_copies(self, ticket, output: ForwardOutput) -> None:
+        """Apply the worker's verdict on a batch's tier copies; requests whose load it settled
+        go back to the front of the queue (they match again: on the device if it worked)."""
+        self.cache.ack_kv_copies(ticket, output.kv_store_ok, output.kv_load_ok)
+        ready = [r for r in self.loading if r.load.done]
+        if not ready:
+            return
+        self.loading = [r for r in self.loading if not r.load.done]
+        for req in ready:
+            if req.load.state == "failed":
+                req.load_range = None
+            req.load = None
+        self.waiting[:0] = sorted(ready, key=lambda r: r.arrival)
+
     def _emit(self, req: Req, new_ids: list[int], output: ForwardOutput | None = None,
               i: int = 0, input_logprobs_done: bool = False) -> None:
         out = RequestOutput(req.rid, new_ids, req.finished, req.finish_reason, req.prompt_len,
@@ -393,11 +452,11 @@ class Scheduler:
 
     def metrics(self) -> dict:
         """Gauges and cumulative counters, named as cluster/metrics.py expects them."""
-        pool, s = self.cache.pool_size, self.stats
+        pool, s, hi = self.cache.pool_size, self.stats, self.cache.hicache
         used = pool - self.cache.available_and_evictable()
         return {
             "num_running_reqs": len(self.running) + (self.chunked_req is not None),
-            "num_queue_reqs": len(self.waiting),
+            "num_queue_reqs": len(self.waiting) + len(self.loading),
             "num_grammar_queue_reqs": len(self.grammars.queue) if self.grammars else 0,
             "token_usage": used / pool,
             "cache_hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
@@ -412,4 +471,6 @@ class Scheduler:
             "num_aborted_requests_total": s.num_aborted,
             "num_retracted_reqs_total": s.num_retracted,
             "evicted_tokens_total": self.cache.evicted_tokens,
+            "hicache_copy_failures_total": (hi.stats.store_failures + hi.stats.load_failures
+                                            if hi is not None else 0),
         }

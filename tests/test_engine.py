@@ -199,3 +199,16 @@ def test_overlap_scheduling_gives_the_same_tokens_as_one_batch_at_a_time(tiny_ll
             engine.scheduler.check_invariant()
     assert results[0] == results[1]
     assert results[0][2] == hf_greedy(tiny_llama_path, prompts[2], 12)
+
+
+def test_overlap_defaults_off_for_an_in_process_cpu_runner(tiny_llama_path):
+    """Unset, the runner decides: an in-process CPU forward competes with the scheduler for the
+    GIL and the cores, so it runs one batch at a time; False forces overlap on."""
+    with Engine(tiny_llama_path, max_total_tokens=512) as engine:
+        assert engine.runner.overlap_by_default is False
+        assert engine.scheduler.overlap is False
+        assert engine.generate(input_ids=[1, 2, 3], sampling_params={
+            "max_new_tokens": 3, "temperature": 0})["output_ids"] == hf_greedy(
+                tiny_llama_path, [1, 2, 3], 3)
+    with pytest.raises(ValueError, match="disable_overlap_schedule"):
+        Engine(tiny_llama_path, disable_overlap_schedule="yes")

@@ -49,13 +49,13 @@ def insert(tree, tokens):
 def test_write_through_copies_on_insert_and_eviction_keeps_the_node_on_host():
     tree = make_tree()
     slots = insert(tree, list(range(10)))
-    stores, loads = tree.take_copies()
+    stores, loads, _ = tree.take_copies()
     assert torch.equal(stores[0], slots) and loads is None and tree.host_size() == 10
     assert tree.evict(10) == 10
     assert tree.total_size() == 0 and tree.host_size() == 10
     result, host_nodes = tree.match_tiers(RadixKey(list(range(12))))
     assert len(result.indices) == 0 and sum(len(n.key) for n in host_nodes) == 10
-    assert tree.take_copies() == (None, None)  # eviction of a backed-up node copies nothing
+    assert tree.take_copies() == (None, None, None)  # evicting a backed-up node copies nothing
     tree.check_tiers()
 
 
@@ -74,7 +74,7 @@ def test_full_host_pool_drops_old_device_nodes_copies_for_new_ones():
     nodes = {tuple(t[:1]): tree.match_prefix(RadixKey(t)).last_node for t in (old, mid, new)}
     assert nodes[(100,)].host_value is None and nodes[(100,)].value is not None
     assert nodes[(0,)].host_value is not None and nodes[(200,)].host_value is not None
-    (device, host), _ = tree.take_copies()
+    (device, host), _, _ = tree.take_copies()
     assert len(device) == 10 and tree.host_size() == 20
     tree.check_tiers()
     assert tree.evict(64) == 30  # mid leaves the tree; old and new stay on the host
@@ -89,12 +89,13 @@ def test_a_node_being_loaded_keeps_its_host_copy():
     tree.evict(10)  # first is host-only now
     tree.take_copies()
     result, host_nodes = tree.match_tiers(RadixKey(first))
-    assert tree.load_back(host_nodes) == 10  # queued, not in a batch yet
+    job = tree.start_load(host_nodes)  # queued, not in a batch yet
+    assert len(job.device_slots) == 10 and tree.loading_size() == 10
     insert(tree, list(range(50, 60)))  # host full: 10 + 10 of 20
     insert(tree, list(range(70, 80)))  # needs room: first's copy is loading, so no drop of it
-    node = tree.match_prefix(RadixKey(first)).last_node
-    assert node.host_value is not None
-    stores, loads = tree.take_copies()
+    node = host_nodes[0]
+    assert node.host_value is not None and node.parent is not None
+    stores, loads, _ = tree.take_copies()
     assert torch.equal(loads[0], node.host_value)
     tree.check_tiers()
 
@@ -102,26 +103,32 @@ def test_a_node_being_loaded_keeps_its_host_copy():
 def test_write_back_copies_only_on_eviction():
     tree = make_tree(policy="write_back")
     slots = insert(tree, list(range(10)))
-    assert tree.take_copies() == (None, None) and tree.host_size() == 0
+    assert tree.take_copies() == (None, None, None) and tree.host_size() == 0
     tree.evict(10)
-    (device, host), loads = tree.take_copies()
+    (device, host), loads, _ = tree.take_copies()
     assert torch.equal(device, slots) and len(host) == 10 and loads is None
     tree.check_tiers()
 
 
-def test_load_back_gives_device_slots_and_queues_one_copy():
+def test_a_load_joins_the_tree_only_when_acknowledged():
     tree = make_tree()
     insert(tree, list(range(8)))
     host_slots = tree.match_prefix(RadixKey(list(range(8)))).last_node.host_value.clone()
     tree.evict(8)
     tree.take_copies()
     result, host_nodes = tree.match_tiers(RadixKey(list(range(8)) + [99]))
-    tree.inc_lock_ref(result.last_node)
-    assert tree.load_back(host_nodes) == 8
-    stores, (host, device) = tree.take_copies()
-    assert stores is None and torch.equal(host, host_slots)
+    job = tree.start_load(host_nodes)
+    assert tree.start_load(host_nodes) is job  # a second request waits for the same load
+    stores, (host, device), ticket = tree.take_copies()
+    assert stores is None and torch.equal(host, host_slots) and job.state == "sent"
+    assert len(tree.match_prefix(RadixKey(list(range(8)))).indices) == 0  # not readable yet
+    assert tree.total_size() == 0 and tree.loading_size() == 8
+    tree.check_tiers()
+    tree.ack_copies(ticket, stores_ok=True, loads_ok=True)
     result = tree.match_prefix(RadixKey(list(range(8))))
     assert torch.equal(result.indices, device) and tree.total_size() == 8
+    assert job.state == "done" and tree.loading_size() == 0 and tree.stats.loaded == 8
+    assert tree.evictable_size() == 8 and tree.protected_size() == 0
     tree.check_tiers()
 
 
@@ -147,7 +154,7 @@ def test_insert_over_host_only_nodes_adopts_the_new_slots():
     # nothing on the device matched: the caller owns no duplicates, the tree took all 9
     assert tree.insert(RadixKey(list(range(9))), slots) == 0
     assert tree.total_size() == 9 and tree.host_size() == 9
-    (device, _), _ = tree.take_copies()
+    (device, _), _, _ = tree.take_copies()
     assert torch.equal(device, slots[6:])  # only the new leaf is copied out
     tree.check_tiers()
 
@@ -182,7 +189,7 @@ def test_reset_frees_both_tiers():
     tree.evict(4)
     tree.reset()
     assert tree.allocator.available_size() == 64 and tree.host_allocator.available_size() == 128
-    assert tree.take_copies() == (None, None)
+    assert tree.take_copies() == (None, None, None)
 
 
 # ---------------------------------------------------------------------------- the scheduler

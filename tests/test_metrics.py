@@ -18,7 +18,8 @@ ISSUE_GAUGES = ["num_running_reqs", "num_queue_reqs", "num_grammar_queue_reqs", 
 ISSUE_COUNTERS = ["prompt_tokens_total", "generation_tokens_total", "cached_tokens_total",
                   "num_requests_total", "num_aborted_requests_total",
                   "num_retracted_reqs_total", "evicted_tokens_total",
-                  "host_cached_tokens_total"]  # the last one: issue 11 (hierarchical cache)
+                  "host_cached_tokens_total",  # the last two: issue 11 (hierarchical cache)
+                  "hicache_copy_failures_total"]
 ISSUE_HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds",
                     "e2e_request_latency_seconds", "queue_time_seconds"]
 LABELS = {"model_name": "tiny-llama", "replica": "3"}

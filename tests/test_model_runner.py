@@ -152,36 +152,83 @@ def test_input_logprobs_match_hf(tiny_llama_path):
     assert torch.allclose(got, want, atol=LOGIT_TOL)
 
 
-@pytest.mark.parametrize("mode, prefixes, extends", [
-    ("per_request", [0, 9, 30], [6, 4, 1]),
-    ("padded", [0, 9, 30], [6, 4, 1]),
-    ("fresh", [0, 0, 0], [5, 5, 5]),  # new prompts of one length: one causal call, no mask
+@pytest.mark.parametrize("sizes, waste, small, expected", [
+    ([(1, 10), (1, 10), (1, 10)], 2.0, 0, [[0, 1, 2]]),  # equal rows: no padding at all
+    ([(1, 100), (1, 10), (1, 10), (1, 10)], 2.0, 0, [[0, 1], [2, 3]]),  # 3 x 100 > 2 x 120
+    ([(1, 100), (1, 10), (1, 10)], 2.0, 300, [[0, 1, 2]]),  # small enough to pad anyway
+    ([(30, 30), (1, 5), (1, 5)], float("inf"), 0, [[0, 1, 2]]),
+    ([(30, 30), (1, 5), (1, 5)], 0.0, 0, [[0], [1], [2]]),  # a single row always fits
 ])
-def test_torch_native_extend_paths_equal_per_request_causal_sdpa(mode, prefixes, extends):
+def test_buckets_keep_padding_within_the_waste_bound(sizes, waste, small, expected):
+    from radixray.worker.cascade_attention import buckets
+
+    assert buckets(sizes, waste, small) == expected
+
+
+def test_buckets_cover_every_row_once_within_the_bound():
+    import random
+
+    from radixray.worker.cascade_attention import buckets
+
+    rng = random.Random(0)
+    for _ in range(200):
+        sizes = [(rng.choice([1, 1, 4, 32, 128]), rng.randrange(1, 3000))
+                 for _ in range(rng.randrange(1, 40))]
+        calls = buckets(sizes, 2.0)
+        assert sorted(i for c in calls for i in c) == list(range(len(sizes)))
+        for c in calls:
+            padded = len(c) * max(sizes[i][0] for i in c) * max(sizes[i][1] for i in c)
+            assert len(c) == 1 or padded <= 2.0 * sum(sizes[i][0] * sizes[i][1] for i in c)
+
+
+@pytest.mark.parametrize("prefixes, extends, shared, pad_waste, calls", [
+    # calls: (own-key calls, shared-prefix calls, fresh prompts run alone)
+    ([0, 9, 30], [6, 4, 1], [0, 0, 0], 0.0, (2, 0, 1)),  # no padding allowed: one call each
+    ([0, 9, 30], [6, 4, 1], [0, 0, 0], float("inf"), (1, 0, 1)),
+    ([12, 9, 30], [6, 4, 1], [0, 0, 0], float("inf"), (1, 0, 0)),
+    ([0, 0, 0], [5, 5, 5], [0, 0, 0], 2.0, (0, 0, 3)),  # fresh prompts of one length
+    # requests whose tables start with the same slots (one cached system prompt): the prefix
+    # is read once per group and merged with each request's own keys
+    ([40, 45, 60, 40, 33], [1, 1, 1, 1, 1], [40, 40, 40, 40, 0], 2.0, (2, 1, 0)),  # decode
+    ([40, 45, 60, 40, 50], [3, 5, 1, 2, 4], [40, 36, 36, 40, 0], float("inf"), (1, 1, 0)),
+    ([40, 45, 60, 35, 50], [3, 5, 1, 2, 4], [40, 40, 0, 35, 35], float("inf"), (1, 1, 0)),
+    # a long extend goes into a call of its own (padding the others to it would not pay)
+    ([40, 45, 40], [1, 1, 30], [40, 40, 40], 2.0, (2, 1, 0)),
+    # a group far bigger than another: their prefixes are read in separate calls
+    ([40, 40, 40, 40, 300, 300], [1, 1, 1, 1, 1, 1], [40, 40, 40, 40, 0, 300], 2.0, (1, 2, 0)),
+])
+def test_torch_native_paths_equal_per_request_causal_sdpa(prefixes, extends, shared, pad_waste,
+                                                          calls):
+    """``shared[i]``: how many leading slots request i takes from the group of earlier
+    requests with the same first slot (0: a table of its own)."""
     import torch.nn.functional as F
 
     from radixray.worker.attention import AttentionMetadata, KVCache, TorchNativeBackend
 
     heads, kv_heads, dim = 4, 2, 8
-    rows = [1, 2, 3]
+    rows = list(range(1, len(prefixes) + 1))
     torch.manual_seed(0)
-    kv = KVCache(1, 128, kv_heads, dim, torch.float32, "cpu", 4, 64)
+    kv = KVCache(1, 1024, kv_heads, dim, torch.float32, "cpu", len(rows) + 1, 512)
     kv.k[0].normal_(), kv.v[0].normal_()
-    perm, used = torch.randperm(127) + 1, 0
-    for row, n in zip(rows, [p + e for p, e in zip(prefixes, extends)]):
-        kv.req_to_token[row, :n] = perm[used : used + n]
-        used += n
+    perm, used, leader = torch.randperm(1023) + 1, 0, None
+    for row, n, s in zip(rows, [p + e for p, e in zip(prefixes, extends)], shared):
+        if s and leader is not None and s <= int((kv.req_to_token[leader] > 0).sum()):
+            kv.req_to_token[row, :s] = kv.req_to_token[leader, :s]
+        else:
+            s, leader = 0, row
+        kv.req_to_token[row, s:n] = perm[used : used + n - s]
+        used += n - s
     out_loc = [int(kv.req_to_token[r, p + i]) for r, p, e in zip(rows, prefixes, extends)
                for i in range(e)]
     q = torch.randn(sum(extends), heads, dim)
     k, v = torch.randn(sum(extends), kv_heads, dim), torch.randn(sum(extends), kv_heads, dim)
     t = torch.tensor
     backend = TorchNativeBackend()
-    backend.PAD_WASTE = 0.0 if mode == "per_request" else float("inf")
+    backend.PAD_WASTE, backend.SMALL_CALL = pad_waste, 0  # split by the waste rule alone
     backend.prepare(AttentionMetadata(t(rows), t(prefixes), t(extends), t(out_loc), prefixes,
-                                      extends, decode_only=False), kv)
+                                      extends, decode_only=set(extends) == {1}), kv)
     out = backend.forward(0, q, k, v)
-    assert backend.mode == mode
+    assert (len(backend.own_calls), len(backend.shared_calls), len(backend.fresh)) == calls
     start = 0
     for row, p, e in zip(rows, prefixes, extends):
         slots = kv.req_to_token[row, : p + e]
@@ -192,3 +239,50 @@ def test_torch_native_extend_paths_equal_per_request_causal_sdpa(mode, prefixes,
         assert torch.allclose(out[start : start + e], ref.transpose(0, 1).reshape(e, -1),
                               atol=1e-5)
         start += e
+
+
+def test_staged_decode_keys_equal_gathered_keys_across_steps():
+    """Decode steps reuse the K/V gathered at the first step (own keys grow by one per row,
+    the shared prefix stays); a request leaving makes the call gather afresh. Every step must
+    equal plain causal attention over each request's slots."""
+    import torch.nn.functional as F
+
+    from radixray.worker.attention import AttentionMetadata, KVCache, TorchNativeBackend
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 4, 2, 8
+    kv = KVCache(2, 1024, kv_heads, dim, torch.float32, "cpu", 8, 256)
+    for buf in kv.k + kv.v:
+        buf.normal_()
+    free = iter(range(1, 1024))
+    shared = [next(free) for _ in range(40)]
+    rows, lens = [1, 2, 3, 4, 5], [45, 50, 41, 12, 30]
+    for row, n in zip(rows, lens):
+        own = [next(free) for _ in range(n - (40 if row <= 3 else 0))]
+        kv.req_to_token[row, :n] = torch.tensor((shared if row <= 3 else []) + own)
+    backend, t = TorchNativeBackend(), torch.tensor
+    modes = []
+    for step in range(6):
+        if step == 3:  # request in row 2 finishes
+            rows, lens = [r for r in rows if r != 2], [n for r, n in zip(rows, lens) if r != 2]
+        loc = [next(free) for _ in rows]
+        for row, n, slot in zip(rows, lens, loc):
+            kv.req_to_token[row, n] = slot
+        backend.prepare(AttentionMetadata(t(rows), t(lens), t([1] * len(rows)), t(loc), lens,
+                                          [1] * len(rows), decode_only=True), kv)
+        modes.append({name[0]: entry.fill for name, entry in backend.stage.entries.items()})
+        for layer in range(2):
+            q = torch.randn(len(rows), heads, dim)
+            k, v = torch.randn(len(rows), kv_heads, dim), torch.randn(len(rows), kv_heads, dim)
+            out = backend.forward(layer, q, k, v)
+            for i, (row, n) in enumerate(zip(rows, lens)):
+                slots = kv.req_to_token[row, : n + 1]
+                ref = F.scaled_dot_product_attention(
+                    q[i : i + 1].transpose(0, 1), kv.k[layer][slots].transpose(0, 1),
+                    kv.v[layer][slots].transpose(0, 1), enable_gqa=True)
+                assert torch.allclose(out[i], ref.transpose(0, 1).reshape(-1), atol=1e-5)
+        lens = [n + 1 for n in lens]
+    # own keys: gathered at the first step and after the membership change, appended
+    # otherwise; the shared prefix keeps its keys through the change (same slots)
+    assert [m["own"] for m in modes] == [True, False, False, True, False, False]
+    assert [m["shared"] for m in modes] == [True, False, False, False, False, False]

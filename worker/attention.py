@@ -17,6 +17,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .cascade_attention import PaddedCall, buckets, find_shared_prefixes, merge_attention
+from .kv_stage import KVStage
+
 ATTENTION_BACKENDS: dict[str, Callable[..., "AttentionBackend"]] = {}
 
 
@@ -106,118 +109,112 @@ class AttentionBackend:
 
 @register_attention_backend("torch_native")
 class TorchNativeBackend(AttentionBackend):
-    """Reference backend. Decode-only batches gather every request's slots into one padded
-    ``[B, L]`` block and run one masked SDPA. Extend batches do the same with queries padded to
-    ``[B, E]`` when the padding costs at most ``PAD_WASTE`` x the real work (many short
-    extends over cached prefixes, the shared-prefix case: one call instead of B), and run one
-    causal SDPA per request otherwise (one long prompt beside short ones). Fresh prompts
-    (nothing cached) attend to their own new keys with ``is_causal`` and no mask, which lets
-    CPU SDPA use its flash kernel (3x faster than a masked call at 2k tokens)."""
+    """Reference backend in plain torch, built for the CPU's strengths: few large calls.
+
+    Each batch is planned once, in ``prepare``:
+
+    - Fresh prompts of one length (nothing cached): one causal SDPA with ``is_causal`` and no
+      mask, which lets CPU SDPA use its flash kernel; a fresh prompt among others: one such
+      call of its own.
+    - Requests with a cached prefix (every decode, extends over the radix cache): requests
+      that share a prefix (same slots) read it once per group and their own keys apart, the
+      two merged by log-sum-exp (``cascade_attention``). Own parts and group prefixes each go
+      into as few padded calls as keep the padding within ``PAD_WASTE`` x the real work.
+    """
 
     PAD_WASTE = 2.0
+    SMALL_CALL = 1 << 15  # query-key pairs: below this, padding beats a second call
+    CASCADE = True  # read shared prefixes once per group (tests switch it off to compare)
+    STAGE_BYTES = 1 << 28  # gathered K/V kept across decode steps (kv_stage.py); 0: off
 
     def __init__(self, **_):
         self.meta: AttentionMetadata | None = None
         self.scratch: dict[str, torch.Tensor] = {}  # gathered K/V rows, reused layer to layer
+        self.stage = KVStage(self.STAGE_BYTES)
 
     def prepare(self, meta: AttentionMetadata, kv: KVCache) -> None:
         self.meta, self.kv = meta, kv
-        if meta.decode_only:
-            max_len = max(p + e for p, e in zip(meta.prefix_lens_cpu, meta.extend_lens_cpu))
-            seq_lens = meta.seq_lens
-            self.slots = kv.req_to_token[meta.req_rows, :max_len]  # [B, L]
-            self.valid = (torch.arange(max_len, device=seq_lens.device)[None, :]
-                          < seq_lens[:, None])  # [B, L]
-        elif all(p == 0 for p in meta.prefix_lens_cpu) and len(set(meta.extend_lens_cpu)) == 1:
-            self.mode = "fresh"
-        elif self._padding_pays(meta):
-            self.mode = "padded"
-            self._prepare_padded_extend(meta, kv)
-        else:
-            self.mode = "per_request"
-            self.row_slots = []
-            for row, prefix, extend in zip(meta.req_rows.tolist(), meta.prefix_lens_cpu,
-                                           meta.extend_lens_cpu):
-                self.row_slots.append(kv.req_to_token[row, : prefix + extend])
+        prefix, extend = meta.prefix_lens_cpu, meta.extend_lens_cpu
+        self.starts = [0]
+        for e in extend:
+            self.starts.append(self.starts[-1] + e)
+        self.own_calls: list[PaddedCall] = []
+        self.shared_calls: list[PaddedCall] = []
+        self.fresh = [b for b, p in enumerate(prefix) if p == 0]
+        self.one_fresh_batch = len(self.fresh) == len(prefix) and len(set(extend)) == 1
+        cached = [b for b, p in enumerate(prefix) if p > 0]
+        if not cached:
+            self.stage.clear()
+            return
+        table = kv.req_to_token[meta.req_rows, : max(p + e for p, e in zip(prefix, extend))]
+        groups = find_shared_prefixes(table, cached, prefix) if self.CASCADE else []
+        skip = [0] * len(prefix)  # positions each request reads in its group's call
+        for g in groups:
+            for b in g.members:
+                skip[b] = g.length
+        own_sizes = [(extend[b], prefix[b] + extend[b] - skip[b]) for b in cached]
+        for call in buckets(own_sizes, self.PAD_WASTE, self.SMALL_CALL):
+            self.own_calls.append(PaddedCall.for_requests(
+                table, [cached[i] for i in call], prefix, extend, skip, self.starts))
+        group_sizes = [(sum(extend[b] for b in g.members), g.length) for g in groups]
+        for call in buckets(group_sizes, self.PAD_WASTE, self.SMALL_CALL):
+            self.shared_calls.append(PaddedCall.for_groups([groups[i] for i in call], table,
+                                                           self.starts))
+        self._plan_stage(meta, kv)
 
-    def _padding_pays(self, meta: AttentionMetadata) -> bool:
-        lens = list(zip(meta.prefix_lens_cpu, meta.extend_lens_cpu))
-        if len(lens) < 2:
-            return False
-        real = sum(e * (p + e) for p, e in lens)
-        padded = len(lens) * max(e for _, e in lens) * max(p + e for p, e in lens)
-        return padded <= self.PAD_WASTE * real
+    def _plan_stage(self, meta: AttentionMetadata, kv: KVCache) -> None:
+        """Decode steps reuse last step's gathered K/V (own keys grow by one per step, shared
+        prefixes stay); any other step changes slots the stage cannot follow, so it is
+        dropped."""
+        self.stage.budget_bytes = self.STAGE_BYTES
+        if not meta.decode_only:
+            self.stage.clear()
+            return
+        calls = {("own", i): (c.slots, c.key_lens, 1) for i, c in enumerate(self.own_calls)}
+        calls.update({("shared", i): (c.slots, c.key_lens, 0)
+                      for i, c in enumerate(self.shared_calls)})
+        buf = kv.k[0]
+        self.stage.plan(calls, (len(kv.k), buf.shape[1], buf.shape[2], buf.element_size()),
+                        buf.dtype, buf.device)
 
-    def _prepare_padded_extend(self, meta: AttentionMetadata, kv: KVCache) -> None:
-        """Index and mask tensors for one SDPA over the whole extend batch."""
-        dev = meta.extend_lens.device
-        extend, prefix = meta.extend_lens, meta.prefix_lens
-        max_extend = max(meta.extend_lens_cpu)
-        max_len = max(p + e for p, e in zip(meta.prefix_lens_cpu, meta.extend_lens_cpu))
-        t = torch.arange(max_extend, device=dev)
-        self.q_valid = t[None, :] < extend[:, None]  # [B, E]
-        starts = torch.cumsum(extend, 0) - extend
-        self.q_index = torch.where(self.q_valid, starts[:, None] + t[None, :], 0)  # [B, E]
-        self.slots = kv.req_to_token[meta.req_rows, :max_len]  # [B, L]
-        # new token t of request b sits at position prefix_b + t and sees keys 0 .. prefix_b + t;
-        # padded query rows see every key (their output is dropped; an empty row would be NaN)
-        keys = torch.arange(max_len, device=dev)
-        causal = keys[None, None, :] <= (prefix[:, None, None] + t[None, :, None])  # [B, E, L]
-        self.mask = (causal | ~self.q_valid[:, :, None])[:, None]  # [B, 1, E, L]
+    def _keys_values(self, name, call: PaddedCall, layer_id, k_buf, v_buf, k, v):
+        """[n, S, Hkv, D] keys and values of ``call``: staged, or gathered for this layer."""
+        gather = lambda buf, slots: gather_slots(buf, slots, self.scratch, name[0])  # noqa: E731
+        new = call.q_index[:, 0]  # decode: each row's one new token
+        staged = self.stage.keys_values(name, layer_id, gather, k_buf, v_buf,
+                                        lambda: k[new], lambda: v[new])
+        if staged is not None:
+            return staged
+        return gather(k_buf, call.slots), gather_slots(v_buf, call.slots, self.scratch,
+                                                       name[0] + "v")
 
     def forward(self, layer_id, q, k, v):
         meta, kv = self.meta, self.kv
         k_buf, v_buf = kv.k[layer_id], kv.v[layer_id]
         k_buf[meta.out_cache_loc] = k
         v_buf[meta.out_cache_loc] = v
-        if meta.decode_only:
-            return self._decode(q, k_buf, v_buf)
-        return self._extend(q, k, v, k_buf, v_buf)
-
-    def _decode(self, q, k_buf, v_buf):
-        batch, heads, dim = q.shape
-        # [B, Hkv, L, D]
-        keys = gather_slots(k_buf, self.slots, self.scratch, "k").transpose(1, 2)
-        values = gather_slots(v_buf, self.slots, self.scratch, "v").transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values,  # q: [B, Hq, 1, D]
-            attn_mask=self.valid[:, None, None, :], enable_gqa=True)
-        return out.reshape(batch, heads * dim)
-
-    def _extend(self, q, k, v, k_buf, v_buf):
-        if self.mode == "fresh":  # new prompts of one length: nothing cached to read
-            batch, length = len(self.meta.extend_lens_cpu), self.meta.extend_lens_cpu[0]
+        if self.one_fresh_batch:  # new prompts of one length: nothing cached to read
+            batch, length = len(meta.extend_lens_cpu), meta.extend_lens_cpu[0]
             by_request = lambda x: x.view(batch, length, *x.shape[1:]).transpose(1, 2)  # noqa: E731
             out = F.scaled_dot_product_attention(by_request(q), by_request(k), by_request(v),
                                                  is_causal=True, enable_gqa=True)
             return out.transpose(1, 2).reshape(batch * length, -1)  # [T, Hq * D]
-        if self.mode == "padded":
-            q_pad = q[self.q_index].transpose(1, 2)  # [B, Hq, E, D]
-            out = F.scaled_dot_product_attention(
-                q_pad, gather_slots(k_buf, self.slots, self.scratch, "k").transpose(1, 2),
-                gather_slots(v_buf, self.slots, self.scratch, "v").transpose(1, 2),
-                attn_mask=self.mask, enable_gqa=True)  # [B, Hq, E, D]
-            out = out.transpose(1, 2)[self.q_valid]  # [T, Hq, D], the batch's token order
-            return out.reshape(out.shape[0], -1)
-        meta = self.meta
-        outputs, start = [], 0
-        for slots, prefix, extend in zip(self.row_slots, meta.prefix_lens_cpu,
-                                         meta.extend_lens_cpu):
-            q_i = q[start : start + extend].transpose(0, 1)  # [Hq, E, D]
-            if prefix == 0:  # a fresh prompt: its keys are the new ones, plain causal
-                out = F.scaled_dot_product_attention(
-                    q_i, k[start : start + extend].transpose(0, 1),
-                    v[start : start + extend].transpose(0, 1), is_causal=True, enable_gqa=True)
-                outputs.append(out.transpose(0, 1).reshape(extend, -1))
-                start += extend
-                continue
-            keys = gather_slots(k_buf, slots, self.scratch, "k").transpose(0, 1)  # [Hkv, S, D]
-            values = gather_slots(v_buf, slots, self.scratch, "v").transpose(0, 1)
-            # new token i sits at position prefix + i and sees positions 0 .. prefix + i
-            causal = (torch.arange(prefix + extend, device=q.device)[None, :]
-                      <= torch.arange(prefix, prefix + extend, device=q.device)[:, None])
-            out = F.scaled_dot_product_attention(q_i, keys, values, attn_mask=causal,
-                                                 enable_gqa=True)
-            outputs.append(out.transpose(0, 1).reshape(extend, -1))
-            start += extend
-        return torch.cat(outputs, dim=0)
+        out = torch.empty_like(q)  # [T, Hq, D]
+        lse = q.new_empty(q.shape[:2])  # [T, Hq]
+
+        for i, call in enumerate(self.own_calls):
+            keys, values = self._keys_values(("own", i), call, layer_id, k_buf, v_buf, k, v)
+            out[call.tokens], lse[call.tokens] = call.attend(q, keys, values)
+        for i, call in enumerate(self.shared_calls):
+            keys, values = self._keys_values(("shared", i), call, layer_id, k_buf, v_buf, k, v)
+            shared, shared_lse = call.attend(q, keys, values)
+            t = call.tokens
+            out[t], lse[t] = merge_attention(out[t], lse[t], shared, shared_lse)
+        for b in self.fresh:  # a fresh prompt's keys are its new ones: plain causal
+            start, end = self.starts[b], self.starts[b + 1]
+            # 4-D [1, H, L, D]: CPU SDPA takes its flash kernel only for 4-D inputs
+            by_head = lambda x: x[start:end].transpose(0, 1).unsqueeze(0)  # noqa: E731
+            out[start:end] = F.scaled_dot_product_attention(
+                by_head(q), by_head(k), by_head(v), is_causal=True, enable_gqa=True
+            )[0].transpose(0, 1)
+        return out.view(q.shape[0], -1)

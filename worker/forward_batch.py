@@ -51,7 +51,8 @@ class ForwardBatch:
     vocab_mask: torch.Tensor | None = None
     # Hierarchical cache: KV copies the worker runs before the forward, stores first (this
     # batch may reuse the device slots they read), then loads. (device slots, host slots) to
-    # copy device -> host, and (host slots, device slots) to copy host -> device; int64.
+    # copy device -> host, and (host slots, device slots) to copy host -> device; int64. A
+    # batch may carry copies and no request (batch_size 0): it computes nothing.
     kv_store: tuple[torch.Tensor, torch.Tensor] | None = None
     kv_load: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -80,6 +81,10 @@ class ForwardOutput:
     # computed here), which is why SGLang's contract puts a null first.
     input_token_logprobs: list[torch.Tensor | None] | None = None
     input_top_logprobs: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
+    # Hierarchical cache: whether the batch's kv_store / kv_load copies succeeded on every
+    # rank (True when it carried none). A copy that fails is reported here, never raised.
+    kv_store_ok: bool = True
+    kv_load_ok: bool = True
 
 
 # ------------------------------------------------------------------ one-tensor wire format

@@ -3,17 +3,29 @@
 The scheduler decides which host slot holds which prefix (``scheduler/hicache.py``); this pool
 only holds the data and runs the copies a ``ForwardBatch`` carries. Layout: one tensor
 ``[num_slots, num_layers, 2 (K, V), kv_heads_local, head_dim]``, so one token's KV over all
-layers is one contiguous row: a copy in either direction is one gather, one transfer and one
-scatter per layer, for the whole batch's token list, never per token. On CUDA the tensor is in
-pinned memory, which makes the host side of the transfers DMA-able.
+layers is one contiguous row: a copy in either direction is one gather on the device, the
+transfer, and one scatter per layer, for the whole batch's token list, never per token.
 
-Copies run on the forward's thread (the worker's own thread under overlap scheduling), so
-the scheduler builds the next batch while they run.
+Failures: a store or a load that raises is logged and reported (``run_copies`` returns
+``(stores_ok, loads_ok)``, which the runner puts in the ``ForwardOutput``), never raised: the
+forward still runs (it reads no slot a copy writes: the scheduler admits a loading request
+only once its load is confirmed), and the scheduler drops what the copy would have made
+usable and recomputes it.
+
+On CUDA the pool is pinned memory and the copies run on a dedicated copy stream, issued from
+the forward's thread without waiting for them: the stream first waits for the compute stream
+(stores read slots earlier forwards wrote; loads overwrite slots earlier forwards may still
+read), the transfers are asynchronous DMA (one per run of consecutive host slots, since the
+host side of an indexed copy would need the CPU), and the forward waits on an event recorded
+after them. A copy issued without an error counts as done (its outcome goes back with the
+output, possibly before the DMA finishes): whatever reads its result later is ordered after
+it, forwards by the event and later copies by the stream. On the CPU they run in line.
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 
 import torch
 
@@ -31,6 +43,17 @@ def host_pool_tokens(device_tokens: int, bytes_per_token: int, ratio: float,
     return tokens - tokens % page_size
 
 
+def slot_runs(slots: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive slot numbers in ``slots`` (a CPU tensor), in order, as
+    ``(offset in slots, first slot, length)``: each run is one contiguous range of the pool."""
+    n = len(slots)
+    if n == 0:
+        return []
+    breaks = (torch.nonzero(slots[1:] != slots[:-1] + 1).flatten() + 1).tolist()
+    starts, ends = [0, *breaks], [*breaks, n]
+    return [(s, first, e - s) for s, e, first in zip(starts, ends, slots[starts].tolist())]
+
+
 class HostKVPool:
     def __init__(self, num_tokens: int, page_size: int, num_layers: int, kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device):
@@ -38,8 +61,14 @@ class HostKVPool:
         num_slots = (num_tokens // page_size + 1) * page_size
         self.num_tokens = num_tokens
         self.device = torch.device(device)
+        cuda = self.device.type == "cuda"
         self.data = torch.zeros((num_slots, num_layers, 2, kv_heads, head_dim), dtype=dtype,
-                                pin_memory=self.device.type == "cuda")
+                                pin_memory=cuda)
+        # DMA transfers per run of host slots (asynchronous from pinned memory); the CPU path
+        # indexes the pool directly. Tests flip ``dma`` to run the CUDA path's indexing on CPU.
+        self.dma = cuda
+        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.copies_done = torch.cuda.Event() if cuda else None
 
     @classmethod
     def try_create(cls, num_tokens: int, *args) -> "HostKVPool | None":
@@ -54,24 +83,62 @@ class HostKVPool:
                         num_tokens, e)
             return None
 
+    def _index(self, slots: torch.Tensor) -> torch.Tensor:
+        """``slots`` on the device; on CUDA through pinned memory, so the thread does not wait
+        for the copy stream (a pageable copy would, and that stream waits for the forward)."""
+        if self.device.type != "cuda":
+            return slots.to(self.device)
+        return slots.pin_memory().to(self.device, non_blocking=True)
+
     def store(self, kv: KVCache, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
         """Copy device slots' K/V of every layer into host slots. Mutates ``self.data``."""
-        idx = device_slots.to(self.device)
+        idx = self._index(device_slots)
         staged = torch.stack([torch.stack((k[idx], v[idx]), 1) for k, v in zip(kv.k, kv.v)], 1)
-        self.data[host_slots] = staged.cpu()
+        if not self.dma:
+            self.data[host_slots] = staged.cpu()
+            return
+        for offset, first, n in slot_runs(host_slots):
+            self.data[first : first + n].copy_(staged[offset : offset + n], non_blocking=True)
 
     def load(self, kv: KVCache, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
         """Copy host slots' K/V of every layer into device slots. Mutates ``kv``'s buffers."""
-        staged = self.data[host_slots].to(self.device, non_blocking=True)
-        idx = device_slots.to(self.device)
+        if not self.dma:
+            staged = self.data[host_slots].to(self.device)
+        else:
+            staged = torch.empty((len(host_slots), *self.data.shape[1:]), dtype=self.data.dtype,
+                                 device=self.device)
+            for offset, first, n in slot_runs(host_slots):
+                staged[offset : offset + n].copy_(self.data[first : first + n],
+                                                  non_blocking=True)
+        idx = self._index(device_slots)
         for layer, (k, v) in enumerate(zip(kv.k, kv.v)):
             k[idx] = staged[:, layer, 0]
             v[idx] = staged[:, layer, 1]
 
-    def run_copies(self, kv: KVCache, batch: ForwardBatch) -> None:
+    def run_copies(self, kv: KVCache, batch: ForwardBatch) -> tuple[bool, bool]:
         """The batch's tier copies, before its forward: stores first (the batch may reuse the
-        device slots they read), then loads (they may read host slots the stores filled)."""
-        if batch.kv_store is not None:
-            self.store(kv, *batch.kv_store)
-        if batch.kv_load is not None:
-            self.load(kv, *batch.kv_load)
+        device slots they read), then loads (they may read host slots the stores filled).
+        Returns ``(stores_ok, loads_ok)``: a copy that raises is logged, not raised.
+        On CUDA the forward (the current stream) waits for them; this thread does not."""
+        stream = self.copy_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            stores_ok = batch.kv_store is None or self._attempt("store", self.store, kv,
+                                                                *batch.kv_store)
+            loads_ok = batch.kv_load is None or self._attempt("load", self.load, kv,
+                                                              *batch.kv_load)
+            if stream is not None:
+                self.copies_done.record(stream)
+        if stream is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.copies_done)
+        return stores_ok, loads_ok
+
+    @staticmethod
+    def _attempt(what: str, copy, kv: KVCache, src: torch.Tensor, dst: torch.Tensor) -> bool:
+        try:
+            copy(kv, src, dst)
+            return True
+        except Exception:  # the scheduler recomputes what the copy was for
+            log.exception("hierarchical cache: a %s of %d tokens failed", what, len(src))
+            return False

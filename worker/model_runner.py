@@ -65,6 +65,10 @@ class ModelRunner:
         self.cfg = cfg
         self.tp = TensorParallel(cfg.tp_rank, cfg.tp_size)
         self.device = torch.device(cfg.device)
+        # Overlap scheduling pays when the forward runs beside the scheduler's Python: GPU
+        # kernels run asynchronously. On CPU the forward thread needs the GIL between its many
+        # small ops and the cores the scheduler uses, so in one process it is off by default.
+        self.overlap_by_default = self.device.type != "cpu"
         self.model_config = mc = ModelConfig.from_pretrained(cfg.model_path)
         dtype = cfg.torch_dtype
         torch.manual_seed(cfg.seed)
@@ -149,13 +153,37 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
-        if batch.kv_store is not None or batch.kv_load is not None:
+        """Run the batch's tier copies (hierarchical cache; their outcome, agreed over the TP
+        group, goes in the output), then the model over its requests, if it has any."""
+        copies = batch.kv_store is not None or batch.kv_load is not None
+        if copies:
             if self.host_pool is None:
                 raise RuntimeError("a batch carries KV tier copies but this runner has no "
                                    "host pool (scheduler/runner configuration mismatch)")
-            self.host_pool.run_copies(self.kv, batch)  # before the graph path too
-        if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.forward(batch)
+            copies_ok = self.host_pool.run_copies(self.kv, batch)  # before the graph path too
+        if batch.batch_size == 0:  # copies only
+            out = ForwardOutput(next_token_ids=torch.empty(0, dtype=torch.int64))
+        elif self.graphs is not None and self.graphs.can_run(batch):
+            out = self.graphs.forward(batch)
+        else:
+            out = self._forward(batch)
+        if copies:
+            out.kv_store_ok, out.kv_load_ok = self._agree(*copies_ok)
+        return out
+
+    def _agree(self, stores_ok: bool, loads_ok: bool) -> tuple[bool, bool]:
+        """Every rank copied its own KV shard; a copy failed if it failed on any rank. One
+        small all-reduce, only in batches with copies (every rank sees the same batch, so the
+        collectives line up), after the forward, so it does not delay the forward's launch."""
+        if self.tp.size == 1:
+            return stores_ok, loads_ok
+        failed = torch.tensor([not stores_ok, not loads_ok], dtype=torch.int32,
+                              device=self.device)
+        self.tp.all_reduce(failed)
+        return tuple(bool(f == 0) for f in failed.tolist())
+
+    def _forward(self, batch: ForwardBatch) -> ForwardOutput:
+        """The model over the batch's requests (eager): slots, forward, logits, sampling."""
         dev = self.device
         input_ids = self.resolve_input_ids(batch.input_ids).to(dev)
         meta = self._prepare_slots(batch)
