@@ -259,7 +259,9 @@ class MaskFiller:
         if not rows:
             return None
         mask = allocate_vocab_mask(len(states), self.vocab.vocab_size)
-        if self._batch is None or len(rows) == 1:
+        # a matcher is not thread-safe: one that fills two rows goes row by row
+        shared = len({id(states[i].matcher) for i in rows}) < len(rows)
+        if self._batch is None or len(rows) == 1 or shared:
             for i in rows:
                 states[i].matcher.fill_next_token_bitmask(mask, i)
         else:

@@ -11,30 +11,16 @@ One ``step()`` is one forward pass:
 3. ``process_output(batch, output)``: append tokens, check stops, hand finished requests' KV
    to the radix tree, and emit one ``RequestOutput`` per request that got a token or finished.
 
-Overlap scheduling (when the runner has ``submit``/``result``; ``disable_overlap_schedule``
-True/False forces it off/on, unset leaves it to the runner's ``overlap_by_default``):
-``advance`` moves every request's lengths on as soon as its batch is submitted, so batch
-N+1 can be built and submitted while batch N still runs; its decode inputs whose tokens N
-has not returned yet are future references (``batch.decode_input_ids``) that the worker
-resolves. N's results are processed while N+1 runs. A request N finishes has one wasted
-step in N+1, which is skipped when its results come. Decodes and prefills of waiting requests
-overlap; what needs N's results first waits for it (``_can_overlap``): a possible retraction,
-a prompt mid-chunk, penalties (they need the newest token), a constrained request (the grammar
-barrier: its next mask needs the newest token accepted), and admitting waiting requests while
-N computes prompts they may share. Constrained decoding and jump-forward: see constrained.py.
+Overlap scheduling (overlap.py): batch N+1 is built and submitted while batch N runs, when
+the runner can compute beside the scheduler. Constrained decoding and jump-forward: see
+constrained.py.
 
-Hierarchical cache: a waiting request whose prefix continues in the host tier starts a load
-(``CacheManager.start_load``) and waits in ``loading`` instead of being admitted; the copy
-rides the next batch (a batch of copies only when nothing else runs), and when that batch's
-output confirms it the request returns to the queue and hits those tokens on the device. A
-failed copy (reported in the output, never raised) frees what the load held and drops the
-host copies, so the request recomputes them. Under overlap scheduling the step after a batch
-that carries loads waits for its results, so a host hit costs one batch of latency.
+Hierarchical cache: a request whose prefix continues in the host tier waits in ``loading``
+until the batch carrying its load confirms it, then matches again (hicache_copies.py); under
+overlap scheduling the step after a batch that carries loads waits for its results.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from ..worker.forward_batch import ForwardOutput
 from .batch import ScheduleBatch
@@ -43,30 +29,13 @@ from .config import SchedulerConfig
 from .constrained import check_constraint, make_constrained, split_extends
 from .decode import decode_slots_needed, make_room_for_decode
 from .logprobs import attach_logprobs, collect_input_logprobs
+from .overlap import OverlapLoop
 from .policy import InBatchPrefixSharing, QueueView, make_policy
 from .prefill_adder import AddResult, PrefillAdder
 from .request import FinishReason, Req, RequestOutput
+from .stats import SchedulerStats
 from .stop import Decode, StopChecker
 from .token_ratio import CLIP_MAX_NEW_TOKENS, NewTokenRatio
-
-
-@dataclass
-class SchedulerStats:
-    """Running totals since start (tests and the benchmark read them; ``metrics()`` exports)."""
-
-    num_prefill_batches: int = 0
-    num_decode_batches: int = 0
-    num_mixed_batches: int = 0
-    num_copy_batches: int = 0  # batches of hierarchical-cache copies only (no request)
-    prefill_tokens: int = 0  # prompt tokens computed (chunks and re-prefills included)
-    decode_tokens: int = 0
-    num_retracted: int = 0
-    num_finished: int = 0
-    num_aborted: int = 0
-    prompt_tokens: int = 0  # of finished requests
-    cached_tokens: int = 0  # of finished requests
-    host_cached_tokens: int = 0  # of cached_tokens, those loaded from the host tier
-    generated_tokens: int = 0
 
 
 class Scheduler:
@@ -102,7 +71,7 @@ class Scheduler:
                   if config.disable_overlap_schedule is None else
                   not config.disable_overlap_schedule)
         self.overlap = wanted and hasattr(runner, "submit") and hasattr(runner, "result")
-        self._inflight: tuple[ScheduleBatch, object] | None = None  # (batch, runner handle)
+        self.loop = OverlapLoop(self) if self.overlap else None
         self.grammars = None if tokenizer is None else make_constrained(
             tokenizer, vocab_size or len(tokenizer), eos_token_ids, self.max_context_len,
             config.grammar_compile_timeout, not config.disable_jump_forward)
@@ -155,15 +124,20 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.live) or self._inflight is not None
+        return bool(self.live) or self.in_flight
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a batch submitted under overlap scheduling awaits processing."""
+        return self.loop is not None and self.loop.inflight is not None
 
     def step(self) -> list[RequestOutput]:
         """Run one forward step (if there is anything to run) and return the outputs that
         are ready: this step's, or under overlap scheduling the previous step's."""
         if self.grammars is not None and self.grammars.queue:
             self._poll_grammars()
-        if self.overlap:
-            self._step_overlapped()
+        if self.loop is not None:
+            self.loop.step()
         else:
             batch = self.schedule()
             if batch is not None:
@@ -174,53 +148,11 @@ class Scheduler:
         outputs, self._outputs = self._outputs, []
         return outputs
 
-    def _step_overlapped(self) -> None:
-        self._merge_last_prefill()
-        if self._inflight is not None and not self._can_overlap():
-            self._finish_inflight()
-        batch = self.schedule()
-        handle = None
-        if batch is not None:
-            self.advance(batch)
-            handle = self.runner.submit(batch.forward_batch)
-        self._finish_inflight()  # the previous batch, while this one runs
-        self._inflight = (batch, handle) if batch is not None else None
-        if not self.live:  # everyone finished: what is in flight is wasted work; wait it out
-            self._finish_inflight()
-
-    def _can_overlap(self) -> bool:
-        """True when the next batch, whatever ``schedule`` makes of it (a prefill of waiting
-        requests, a decode of the running set, or both mixed), needs neither the in-flight
-        tokens' values on this side (penalties and grammar masks do) nor a retraction (it
-        would reset a request whose results are still coming), and no prompt is mid-chunk.
-        Waiting requests also wait when the batch in flight computes prompts: those enter the
-        radix tree when its results are processed, and a waiting request may share them; and
-        so do requests waiting for a host-tier load the batch in flight carries."""
-        inflight_prefill = self._inflight is not None and bool(self._inflight[0].prefill)
-        return (self.chunked_req is None and not (self.waiting and inflight_prefill)
-                and not (self.loading and self._inflight_loads())
-                and not any(r.sampling_params.has_penalties or r.grammar is not None
-                            for r in self.running)
-                and decode_slots_needed(self.running, self.cache)
-                <= self.cache.available_and_evictable())
-
-    def _inflight_loads(self) -> bool:
-        """Whether the batch in flight carries host->device loads (taking its results first
-        lets the requests waiting for them run in the next batch, not the one after)."""
-        copies = self._inflight[0].copies if self._inflight is not None else None
-        return copies is not None and bool(copies.loads)
-
-    def _finish_inflight(self) -> None:
-        if self._inflight is not None:
-            batch, handle = self._inflight
-            self._inflight = None
-            self.process_output(batch, self.runner.result(handle))
-
     def _poll_grammars(self) -> None:
         """Requests whose grammar has compiled join the waiting queue (text it forces at the
         start is sent now); those whose compilation failed finish with an abort reason."""
         idle = not (self.running or self.waiting or self.loading or self.chunked_req
-                    or self._inflight)
+                    or self.in_flight)
         for req, new_ids in self.grammars.poll(idle):
             if new_ids or req.finished:
                 self.stats.generated_tokens += len(new_ids)
@@ -234,14 +166,15 @@ class Scheduler:
         """Empty the radix cache; refused (False) while any request is live."""
         if self.live:
             return False
-        self._finish_inflight()
+        if self.loop is not None:
+            self.loop.finish()
         self.cache.flush()
         return True
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> ScheduleBatch | None:
         """Pick the next batch and allocate its slots; None when there is nothing to run."""
-        self._merge_last_prefill()
+        self.merge_last_prefill()
         self._reap_aborted()
         batch = self._prefill_batch() or self._decode_batch()
         if batch is None and self.cache.has_queued_copies():
@@ -254,7 +187,7 @@ class Scheduler:
             self.ratio.on_idle()
         return batch
 
-    def _merge_last_prefill(self) -> None:
+    def merge_last_prefill(self) -> None:
         """Requests whose prompt is now complete join the running (decoding) set."""
         last, self.last_batch = self.last_batch, None
         if last is not None:  # (a running request that extended after a jump is there)
