@@ -215,3 +215,27 @@ def test_engine_every_load_failing(tiny_llama_path, plain):
         outputs, host = engine_chats(engine)
         assert outputs == plain and sum(host) == 0
         assert engine.scheduler.cache.hicache.stats.load_failures > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("broken", [None, "store", "load"])
+def test_cuda_copy_stream_keeps_outputs(tmp_path, broken):
+    """On a GPU the copies run on their own stream with pinned memory and per-run transfers:
+    outputs equal a run without the tier, host hits happen, failures recompute. Needs no
+    conftest fixture (bench/gpu_check.sh runs it with --noconftest)."""
+    from radixray.cluster.engine import Engine
+    from radixray.worker.make_model import make_model
+
+    path = make_model(str(tmp_path), arch="llama", hidden_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, intermediate_size=128, vocab_size=2048,
+                      max_position=2048, seed=0)
+    args = dict(device="cuda", dtype="float32", max_total_tokens=300)
+    with Engine(path, **args) as engine:
+        plain_outputs = engine_chats(engine)[0]
+    with Engine(path, enable_hierarchical_cache=True, debug_invariants=True, **args) as engine:
+        assert engine.runner.host_pool.copy_stream is not None
+        if broken:
+            break_nth(engine.runner.host_pool, broken, {1, 2})
+        outputs, host = engine_chats(engine)
+    assert outputs == plain_outputs
+    assert host[-1] > 0
