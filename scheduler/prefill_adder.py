@@ -107,11 +107,7 @@ class PrefillAdder:
             return AddResult.NO_TOKEN
         if extend > self.rem_input_tokens and self.can_run:
             return AddResult.OTHER
-        self.cache.lock(req)
-        # A prefix loaded back from the host tier on lock is not computed: the extend shrinks
-        # by what the load took from the device pool, so the slot need is the same.
-        extend = req.total_len - req.tree_len
-        need = self._page_ceil(extend) + reserve
+        self.cache.lock(req)  # (host-tier tokens not loaded by now are computed: extend stays)
         if out_of_slots():  # locking took the prefix out of the evictable budget
             self.cache.unlock(req)
             return AddResult.NO_TOKEN
