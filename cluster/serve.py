@@ -13,7 +13,6 @@ import argparse
 import signal
 import subprocess
 import sys
-import time
 
 DEMO_MODEL_NAME = "radixray-demo"  # what clients send as "model" to the built-in demo model
 

@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 from fake_runner import FakeRunner
+from helpers import run_ranks
 from radixray.scheduler.config import SchedulerConfig
 from radixray.scheduler.request import Req
 from radixray.scheduler.scheduler import Scheduler
@@ -183,23 +184,11 @@ def _channel_rank(rank: int, port: int, batches: list, capacity: int, queue) -> 
 
 
 def test_channel_one_collective_per_step_and_overflow():
-    import torch.multiprocessing as mp
-    from radixray.cluster.tp_worker import free_port
-
     capacity = 4096
     small, big = minimal(2), dataclasses.replace(minimal(2), prefix_slots=torch.arange(2000))
     assert pack_batch(small).numel() <= capacity - 8 < pack_batch(big).numel()
     batches = [small, big, small, big, big]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_channel_rank, args=(r, port, batches, capacity, queue))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
+    results = run_ranks(_channel_rank, batches, capacity)
     calls_per_batch = [1, 2, 1, 2, 2]
     expected_counts = [sum(calls_per_batch[:i + 1]) for i in range(len(batches))]
     assert results[0][:-1] == expected_counts

@@ -17,7 +17,8 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from fake_runner import FakeRunner, OverlapFakeRunner, reference_tokens
+from fake_runner import FakeRunner, OverlapFakeRunner, reference_tokens, run_random_workload
+from helpers import multi_turn_chats
 from radixray.cluster.metrics import EngineMetrics
 from radixray.scheduler.config import SchedulerConfig
 from radixray.scheduler.hicache import HiRadixCache
@@ -257,32 +258,16 @@ def test_random_workload_with_chunks_retractions_and_aborts(seed):
         chunked_prefill_size=rng.choice([None, 16, 64]), enable_mixed_chunk=rng.random() < 0.3,
         radix_eviction_policy=rng.choice(["lru", "lfu", "slru"])), runner)
     bases = [[rng.randrange(1000) for _ in range(rng.randrange(10, 60))] for _ in range(5)]
-    reqs, outs, aborted = [], {}, set()
-    for _ in range(400):
-        if rng.random() < 0.3 and len(reqs) < 60:
-            base = rng.choice(bases)
-            prompt = (base[: rng.randrange(1, len(base) + 1)]
-                      + [rng.randrange(1000) for _ in range(rng.randrange(30))])[: pool - 20]
-            reqs.append(Req(f"r{len(reqs)}", prompt,
-                            SamplingParams(max_new_tokens=rng.randrange(1, 30))))
-            outs[reqs[-1].rid] = []
-            sched.add_request(reqs[-1])
-            if rng.random() < 0.3:
-                bases.append(prompt)  # a later turn extends this one
-        if rng.random() < 0.03 and sched.live:
-            rid = rng.choice(sorted(sched.live))
-            aborted.add(rid)
-            sched.abort(rid)
-        for o in sched.step():
-            outs[o.rid] += o.new_token_ids
-    while sched.has_work:
-        for o in sched.step():
-            outs[o.rid] += o.new_token_ids
-    sched.check_invariant()
-    for r in reqs:
-        if r.rid not in aborted and r.finish_reason.type != "abort":
-            assert outs[r.rid] == reference_tokens(r.origin_input_ids,
-                                                   r.sampling_params.max_new_tokens), r.rid
+
+    def make_prompt(rng):
+        base = rng.choice(bases)
+        prompt = (base[: rng.randrange(1, len(base) + 1)]
+                  + [rng.randrange(1000) for _ in range(rng.randrange(30))])[: pool - 20]
+        if rng.random() < 0.3:
+            bases.append(prompt)  # a later turn extends this one
+        return prompt
+
+    run_random_workload(sched, rng, make_prompt, steps=400, max_reqs=60, max_new=30)
 
 
 def test_flag_off_or_no_host_pool_means_plain_radix_cache():
@@ -369,22 +354,7 @@ def test_host_pool_round_trip_and_sizing():
 
 
 # ---------------------------------------------------------------------------- the engine
-def chat(engine, turns=4, convs=4, seed=1):
-    """Multi-turn chats (4 x ~130 tokens of history by the end, a 300-token device pool).
-    Returns every turn's results."""
-    rng = random.Random(seed)
-    history = [[rng.randrange(3, 2000) for _ in range(60)] for _ in range(convs)]
-    results = []
-    for _ in range(turns):
-        for h in history:
-            h += [rng.randrange(3, 2000) for _ in range(15)]
-        res = engine.generate(input_ids=[list(h) for h in history], sampling_params={
-            "max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
-        for h, r in zip(history, res):
-            h += r["output_ids"]
-        results.append(res)
-    engine.scheduler.check_invariant()
-    return results
+chat = multi_turn_chats
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from fake_runner import VOCAB, FakeRunner, OverlapFakeRunner, reference_tokens
+from fake_runner import VOCAB, FakeRunner, OverlapFakeRunner, reference_tokens, run_random_workload
 from radixray.cluster.metrics import EngineMetrics
 from radixray.scheduler.config import SchedulerConfig
 from radixray.scheduler.hicache import HiRadixCache
@@ -50,6 +50,18 @@ def settle(tree, stores_ok=True, loads_ok=True):
     return ticket
 
 
+def host_only_path(policy="write_through"):
+    """A tree whose only prefix (tokens 0..9) was stored to the host (confirmed under
+    write_through; queued, unconfirmed, under write_back) and evicted from the device."""
+    tree = make_tree(policy=policy)
+    a = list(range(10))
+    insert(tree, a)
+    if policy == "write_through":
+        settle(tree)
+    tree.evict(10)
+    return tree, a
+
+
 def assert_empty(tree, device=64, host=128):
     tree.check_tiers()
     assert tree.allocator.available_size() + tree.total_size() == device
@@ -74,11 +86,7 @@ def test_failed_store_drops_a_device_copy_and_removes_a_host_only_node():
 
 
 def test_failed_load_frees_its_slots_and_drops_the_host_copy():
-    tree = make_tree()
-    a = list(range(10))
-    insert(tree, a)
-    settle(tree)
-    tree.evict(10)
+    tree, a = host_only_path()
     _, host_nodes = tree.match_tiers(RadixKey(a))
     job = tree.start_load(host_nodes)
     assert tree.loading_size() == 10 and tree.allocator.available_size() == 54
@@ -92,10 +100,7 @@ def test_failed_load_frees_its_slots_and_drops_the_host_copy():
 def test_a_load_that_read_a_failed_store_fails_too(same_batch):
     """write_back: the store leaves with the eviction, the load of the same node follows in
     the same batch or the next one; the load itself 'succeeds' but read garbage."""
-    tree = make_tree(policy="write_back")
-    a = list(range(10))
-    insert(tree, a)
-    tree.evict(10)
+    tree, a = host_only_path("write_back")
     store_ticket = None if same_batch else tree.take_copies()[2]
     job = tree.start_load(tree.match_tiers(RadixKey(a))[1])
     assert job is not None
@@ -111,11 +116,7 @@ def test_a_load_that_read_a_failed_store_fails_too(same_batch):
 
 
 def test_split_of_a_loading_node_gives_both_halves_their_slots():
-    tree = make_tree()
-    a = list(range(10))
-    insert(tree, a)
-    settle(tree)
-    tree.evict(10)
+    tree, a = host_only_path()
     job = tree.start_load(tree.match_tiers(RadixKey(a))[1])
     tree.match_tiers(RadixKey(a[:4] + [999]))  # splits the loading node after 4 tokens
     assert len(job.nodes) == 2
@@ -127,10 +128,7 @@ def test_split_of_a_loading_node_gives_both_halves_their_slots():
 
 
 def test_split_of_a_node_whose_store_failed_drops_both_halves():
-    tree = make_tree(policy="write_back")
-    a = list(range(10))
-    insert(tree, a)
-    tree.evict(10)
+    tree, a = host_only_path("write_back")
     ticket = tree.take_copies()[2]
     tree.match_tiers(RadixKey(a[:6] + [999]))  # splits the host-only node
     tree.ack_copies(ticket, stores_ok=False)
@@ -139,11 +137,7 @@ def test_split_of_a_node_whose_store_failed_drops_both_halves():
 
 
 def test_insert_over_a_loading_path_frees_the_loads_surplus_slots():
-    tree = make_tree()
-    a = list(range(10))
-    insert(tree, a)
-    settle(tree)
-    tree.evict(10)
+    tree, a = host_only_path()
     job = tree.start_load(tree.match_tiers(RadixKey(a))[1])
     computed = insert(tree, a)  # another request computed the same tokens meanwhile
     settle(tree, loads_ok=True)
@@ -153,11 +147,8 @@ def test_insert_over_a_loading_path_frees_the_loads_surplus_slots():
 
 
 def test_reset_refuses_while_a_load_is_pending():
-    tree = make_tree()
-    insert(tree, list(range(10)))
-    settle(tree)
-    tree.evict(10)
-    tree.start_load(tree.match_tiers(RadixKey(list(range(10))))[1])
+    tree, a = host_only_path()
+    tree.start_load(tree.match_tiers(RadixKey(a))[1])
     with pytest.raises(RuntimeError, match="pending loads"):
         tree.reset()
     settle(tree)
@@ -272,31 +263,15 @@ def test_random_failures_random_workload(seed):
         schedule_policy=rng.choice(["fcfs", "lpm"]),
         chunked_prefill_size=rng.choice([None, 32])), runner)
     bases = [[rng.randrange(VOCAB) for _ in range(rng.randrange(20, 60))] for _ in range(4)]
-    reqs, outs, aborted = [], {}, set()
-    for _ in range(300):
-        if rng.random() < 0.3 and len(reqs) < 50:
-            prompt = rng.choice(bases) + [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 20))]
-            reqs.append(Req(f"r{len(reqs)}", prompt[:120],
-                            SamplingParams(max_new_tokens=rng.randrange(1, 20))))
-            outs[reqs[-1].rid] = []
-            sched.add_request(reqs[-1])
-            if rng.random() < 0.3:
-                bases.append(prompt[:80])
-        if rng.random() < 0.03 and sched.live:
-            rid = rng.choice(sorted(sched.live))
-            aborted.add(rid)
-            sched.abort(rid)
-        for o in sched.step():
-            outs[o.rid] += o.new_token_ids
-    while sched.has_work:
-        for o in sched.step():
-            outs[o.rid] += o.new_token_ids
-    sched.check_invariant()
+
+    def make_prompt(rng):
+        prompt = rng.choice(bases) + [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 20))]
+        if rng.random() < 0.3:
+            bases.append(prompt[:80])
+        return prompt[:120]
+
+    run_random_workload(sched, rng, make_prompt, steps=300, max_reqs=50, max_new=20)
     assert sched.cache.hicache.loading_size() == 0 and sched.cache.tree.protected_size() == 0
-    for r in reqs:
-        if r.rid not in aborted and r.finish_reason.type != "abort":
-            assert outs[r.rid] == reference_tokens(r.origin_input_ids,
-                                                   r.sampling_params.max_new_tokens), r.rid
 
 
 def test_abort_while_loading_leaves_the_load_to_finish():

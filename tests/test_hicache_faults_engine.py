@@ -7,11 +7,11 @@ outputs of a run without the tier. The scheduler side is in test_hicache_faults.
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
+from helpers import multi_turn_chats, run_ranks
 from radixray.worker.attention import KVCache
 from radixray.worker.forward_batch import ForwardBatch
 from radixray.worker.host_pool import HostKVPool, slot_runs
@@ -127,39 +127,18 @@ def _tp_rank(rank: int, port: int, model: str, queue) -> None:
 def test_tp_a_peer_rank_failure_reaches_rank_0(tiny_llama_path):
     """Every rank copies its own KV shard; rank 0's output (the one the scheduler sees)
     reports a copy that failed on any rank (one all-reduce in batches with copies)."""
-    import torch.multiprocessing as mp
-
-    from radixray.cluster.tp_worker import free_port
-
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_tp_rank, args=(r, port, tiny_llama_path, queue))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
+    results = run_ranks(_tp_rank, tiny_llama_path)
     expected = [(True, True), (False, True), (False, False)]
     assert results[0] == results[1] == expected
 
 
 # ---------------------------------------------------------------------------- the engine
-def engine_chats(engine, turns=4, convs=4, seed=1):
-    rng = random.Random(seed)
-    history = [[rng.randrange(3, 2000) for _ in range(60)] for _ in range(convs)]
-    outputs, host = [], []
-    for _ in range(turns):
-        for h in history:
-            h += [rng.randrange(3, 2000) for _ in range(15)]
-        res = engine.generate(input_ids=[list(h) for h in history], sampling_params={
-            "max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
-        for h, r in zip(history, res):
-            h += r["output_ids"]
-        outputs.append([r["output_ids"] for r in res])
-        host.append(sum(r["meta_info"]["cached_tokens_details"]["host"] for r in res))
-    engine.scheduler.check_invariant()
-    return outputs, host
+def engine_chats(engine):
+    """Greedy outputs and host-hit tokens of every turn of ``multi_turn_chats``."""
+    results = multi_turn_chats(engine)
+    return ([[r["output_ids"] for r in res] for res in results],
+            [sum(r["meta_info"]["cached_tokens_details"]["host"] for r in res)
+             for res in results])
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,44 @@
+"""Workloads and process plumbing that several test files share."""
+
+from __future__ import annotations
+
+import random
+
+
+def multi_turn_chats(engine, turns=4, convs=4, seed=1):
+    """``convs`` conversations of ``turns`` turns through ``engine.generate`` (60 tokens of
+    history, then 15 user + 6 greedy reply tokens a turn: ~130 tokens each by the end, so a
+    300-token device pool evicts earlier turns). Returns every turn's results."""
+    rng = random.Random(seed)
+    history = [[rng.randrange(3, 2000) for _ in range(60)] for _ in range(convs)]
+    results = []
+    for _ in range(turns):
+        for h in history:
+            h += [rng.randrange(3, 2000) for _ in range(15)]
+        res = engine.generate(input_ids=[list(h) for h in history], sampling_params={
+            "max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+        for h, r in zip(history, res):
+            h += r["output_ids"]
+        results.append(res)
+    engine.scheduler.check_invariant()
+    return results
+
+
+def run_ranks(target, *args, world: int = 2, timeout: float = 120) -> dict:
+    """Run ``target(rank, port, *args, queue)`` in ``world`` spawned processes (a free port
+    for their process group) and return what each put on the queue, by rank: ``target``
+    ends with ``queue.put((rank, result))``."""
+    import torch.multiprocessing as mp
+
+    from radixray.cluster.tp_worker import free_port
+
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=target, args=(rank, port, *args, queue))
+             for rank in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=timeout) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    return results
