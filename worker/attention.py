@@ -179,14 +179,15 @@ class TorchNativeBackend(AttentionBackend):
 
     def _keys_values(self, name, call: PaddedCall, layer_id, k_buf, v_buf, k, v):
         """[n, S, Hkv, D] keys and values of ``call``: staged, or gathered for this layer."""
-        gather = lambda buf, slots: gather_slots(buf, slots, self.scratch, name[0])  # noqa: E731
+        def gather(buf, slots, tag):  # into scratch reused by every layer and step
+            return gather_slots(buf, slots, self.scratch, name[0] + tag)
+
         new = call.q_index[:, 0]  # decode: each row's one new token
         staged = self.stage.keys_values(name, layer_id, gather, k_buf, v_buf,
                                         lambda: k[new], lambda: v[new])
         if staged is not None:
             return staged
-        return gather(k_buf, call.slots), gather_slots(v_buf, call.slots, self.scratch,
-                                                       name[0] + "v")
+        return gather(k_buf, call.slots, "k"), gather(v_buf, call.slots, "v")
 
     def forward(self, layer_id, q, k, v):
         meta, kv = self.meta, self.kv

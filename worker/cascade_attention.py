@@ -35,7 +35,6 @@ MIN_SHARED_LEN = 32  # shorter shared prefixes are not worth a separate matmul a
 class SharedPrefixGroup:
     members: list[int]  # batch indices of the requests that share the prefix
     length: int  # shared prefix length P (positions 0 .. P-1, all cached before this batch)
-    slots: torch.Tensor  # [P] the prefix's KV slots
 
 
 def find_shared_prefixes(table: torch.Tensor, candidates: list[int], prefix_lens: list[int],
@@ -65,7 +64,7 @@ def find_shared_prefixes(table: torch.Tensor, candidates: list[int], prefix_lens
     agree = torch.where(differs.any(1), differs.to(torch.uint8).argmax(1), cap)  # [M]
     lengths = torch.full((len(member_groups),), cap, dtype=agree.dtype, device=dev)
     lengths = lengths.scatter_reduce(0, group_of, agree, "amin").tolist()
-    return [SharedPrefixGroup(m, n, table[m[0], :n])
+    return [SharedPrefixGroup(m, n)
             for m, n in zip(member_groups, lengths) if n >= min_len]
 
 

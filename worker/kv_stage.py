@@ -31,7 +31,8 @@ class _Entry:
     lens: torch.Tensor  # [n] keys filled per row
     keys: list[torch.Tensor]  # per layer [n, cap, Hkv, D]
     values: list[torch.Tensor]
-    fill: bool = True  # this step gathers (True) or appends one key per row (False)
+    growth: int  # keys each row gains per step (1: a request's own keys; 0: a shared prefix)
+    fill: bool = True  # this step gathers (True), or reuses the entry, appending new keys
 
 
 class KVStage:
@@ -66,7 +67,7 @@ class KVStage:
                 new = lambda: torch.zeros((n, cap, heads, dim), dtype=dtype,  # noqa: E731
                                           device=device)
                 entry = _Entry(slots, lens, [new() for _ in range(layers)],
-                               [new() for _ in range(layers)])
+                               [new() for _ in range(layers)], growth)
             kept[name] = entry
         self.entries = kept
 
@@ -84,7 +85,7 @@ class KVStage:
 
     def keys_values(self, name, layer: int, gather, k_buf, v_buf, new_k, new_v):
         """This step's [n, S, Hkv, D] keys and values of call ``name`` for ``layer``, or None
-        when the call is not staged. ``gather(buf, slots)`` reads slots from a KV buffer;
+        when the call is not staged. ``gather(buf, slots, "k" or "v")`` reads a KV buffer;
         ``new_k()``/``new_v()`` give the rows' new keys and values, [n, Hkv, D], to append."""
         entry = self.entries.get(name)
         if entry is None:
@@ -92,9 +93,9 @@ class KVStage:
         width = entry.slots.shape[1]
         keys, values = entry.keys[layer][:, :width], entry.values[layer][:, :width]
         if entry.fill:
-            keys.copy_(gather(k_buf, entry.slots))
-            values.copy_(gather(v_buf, entry.slots))
-        elif name[0] == "own":  # one new key per row, at its last position
+            keys.copy_(gather(k_buf, entry.slots, "k"))
+            values.copy_(gather(v_buf, entry.slots, "v"))
+        elif entry.growth:  # one new key per row, at its last position
             rows = torch.arange(len(entry.lens), device=entry.lens.device)
             keys[rows, entry.lens - 1] = new_k()
             values[rows, entry.lens - 1] = new_v()
