@@ -286,3 +286,22 @@ def test_staged_decode_keys_equal_gathered_keys_across_steps():
     # otherwise; the shared prefix keeps its keys through the change (same slots)
     assert [m["own"] for m in modes] == [True, False, False, True, False, False]
     assert [m["shared"] for m in modes] == [True, False, False, False, False, False]
+
+
+@pytest.mark.parametrize("budget", [1 << 26, 3 * 2 * 40 * 3])  # one chunk; 3 rows a chunk
+@pytest.mark.parametrize("per_row_mask", [True, False])
+def test_chunked_attention_with_lse_equals_the_cpu_kernel(budget, per_row_mask):
+    """The matmul path (devices other than the CPU) against the fused CPU kernel."""
+    from radixray.worker.cascade_attention import (attention_with_lse,
+                                                   attention_with_lse_chunked)
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 2, 10, 16), torch.randn(3, 2, 40, 16), torch.randn(3, 2, 40, 16)
+    visible = torch.rand(3, 1, 10 if per_row_mask else 1, 40) > 0.3
+    visible[..., 0] = True
+    bias = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))
+    out, lse = attention_with_lse(q, k, v, bias)
+    out2, lse2 = attention_with_lse_chunked(q, k, v, bias, budget)
+    assert torch.allclose(out, out2, atol=1e-5) and torch.allclose(lse, lse2, atol=1e-5)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+    assert torch.allclose(out, ref, atol=1e-5)
