@@ -207,6 +207,41 @@ class Bench:
                         f"{roof * 1e3:6.2f} ms -> {roof / sec:5.1%} of bandwidth, "
                         f"{flops / sec / self.peak:5.1%} of matmul peak")
 
+    def breakdown(self, backend: str, graphs, bs: int) -> None:
+        """Where a graph decode step's time goes: the replay alone (the model and logits on
+        the GPU), the sampler alone (on the graph's logits, tokens read back), and the rest
+        of ``CudaGraphRunner.forward`` (host-side batch copy, table write, ``prepare``, the
+        future-token write): the part no kernel speeds up."""
+        batch = self.decode_batch(bs)
+        padded = next(s for s in graphs.sizes if s >= bs)
+        graphs.forward(batch)  # the static buffers hold this batch
+        full = self._time(lambda: graphs.forward(batch), self.args.warmup, self.args.iters)
+        graph, logits = graphs.graphs[padded], graphs.logits[padded][:bs]
+
+        def replay():
+            graph.replay()
+            self._sync()
+
+        def sample():
+            self.runner.sampler(logits, batch).next_token_ids.cpu()
+
+        parts = {}
+        for name, fn in (("replay", replay), ("sampler", sample)):
+            for _ in range(self.args.warmup):
+                fn()
+            start = time.perf_counter()
+            for _ in range(self.args.iters):
+                fn()
+            parts[name] = (time.perf_counter() - start) / self.args.iters
+        rest = full - parts["replay"] - parts["sampler"]
+        entry = dict(phase="decode_breakdown", backend=backend, batch=bs, ms=full * 1e3,
+                     replay_ms=parts["replay"] * 1e3, sampler_ms=parts["sampler"] * 1e3,
+                     host_ms=rest * 1e3)
+        self.report.add("results", entry,
+                        f"split   {backend:12s} graph=1 bs={bs:4d}: {full * 1e3:.2f} ms/step = "
+                        f"replay {parts['replay'] * 1e3:.2f} + sampler "
+                        f"{parts['sampler'] * 1e3:.2f} + host {rest * 1e3:.2f} ms")
+
     def prefill(self, backend: str, tokens: int) -> None:
         batch = self.prefill_batch(tokens)
         sec = self._time(lambda: self.runner.forward(batch), 1, self.args.prefill_iters)
@@ -351,12 +386,15 @@ def main() -> int:
             for bs in args.batch_sizes if "g" in holder else []:
                 attempt(f"decode+graph bs={bs}", backend,
                         lambda: bench.decode(backend, holder["g"], bs))
+            if "g" in holder and 128 in args.batch_sizes:
+                attempt("decode breakdown bs=128", backend,
+                        lambda: bench.breakdown(backend, holder["g"], 128))
             holder.clear()
             torch.cuda.empty_cache()
         for tokens_ in args.prefill:
             attempt(f"prefill {tokens_}", backend, lambda: bench.prefill(backend, tokens_))
     for r in report.data["results"]:  # the issue's target: batch-128 decode vs roofline
-        if r["phase"] == "decode" and r["batch"] == 128:
+        if r["phase"] == "decode" and r["batch"] == 128 and "bw_fraction" in r:
             print(f"target  decode bs=128 {r['backend']} graph={int(r['cuda_graph'])}: "
                   f"{r['bw_fraction']:.1%} of the bandwidth roofline (target 70%)", flush=True)
     if not smoke:
