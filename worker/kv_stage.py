@@ -36,6 +36,9 @@ class _Entry:
 
 
 class KVStage:
+    """The staged K/V of one attention backend: an entry per padded call of the last decode
+    step, named by the backend (``("own", i)``, ``("shared", i)``)."""
+
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
         self.entries: dict[tuple[str, int], _Entry] = {}
