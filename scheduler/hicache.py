@@ -54,9 +54,15 @@ class HiCacheStats:
     failed_tokens: int = 0  # host copies dropped because a copy failed
 
 
+# A host hit shorter than this is recomputed: its load would cost the request a batch of
+# latency (it waits for the copy to be confirmed) for less work than a few tokens' prefill.
+MIN_LOAD_TOKENS = 10
+
+
 class HiRadixCache(TierCopies, RadixCache):
     def __init__(self, allocator, host_allocator: TokenToKVPoolAllocator, page_size: int = 1,
-                 eviction_policy: str = "lru", write_policy: str = "write_through"):
+                 eviction_policy: str = "lru", write_policy: str = "write_through",
+                 min_load_tokens: int = MIN_LOAD_TOKENS):
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"hicache_write_policy must be one of {', '.join(WRITE_POLICIES)}, "
                              f"got {write_policy!r}")
@@ -64,6 +70,7 @@ class HiRadixCache(TierCopies, RadixCache):
             raise ValueError("the host pool's page_size differs from the device pool's")
         self.host_allocator = host_allocator
         self.write_back = write_policy == "write_back"
+        self.min_load_tokens = min_load_tokens
         self.stats = HiCacheStats()
         super().__init__(allocator, page_size, eviction_policy)
 

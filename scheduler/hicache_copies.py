@@ -81,8 +81,9 @@ class TierCopies:
         """Start bringing the host-only ``nodes`` (a path from ``match_tiers``) back to the
         device, or return the pending job that already loads the first of them. A new job
         locks the device node above the path, pins the path, allocates device slots (evicting
-        if needed) and queues one copy. None when nothing is loadable or the device pool is
-        too short: the caller computes those tokens.
+        if needed) and queues one copy. None when nothing is loadable, when fewer than
+        ``min_load_tokens`` are, or when the device pool is too short: the caller computes
+        those tokens.
 
         Mutates: locks, device allocator and sizes, eviction queues, the copy queue."""
         if not nodes:
@@ -95,9 +96,9 @@ class TierCopies:
                     or node in self._load_of):
                 break
             path.append(node)
-        if not path:
-            return None
         total = sum(len(node.key) for node in path)
+        if total < max(self.min_load_tokens, 1):
+            return None  # not worth a batch of latency: computed instead
         job = LoadJob(path[0].parent, path)
         self.inc_lock_ref(job.parent)  # the closure rule needs the parent on the device
         for node in path:

@@ -111,12 +111,24 @@ def test_write_back_copies_only_on_eviction():
     tree.check_tiers()
 
 
+def test_a_host_hit_below_the_load_threshold_is_computed():
+    tree = make_tree()
+    insert(tree, list(range(9)))
+    tree.evict(9)
+    tree.take_copies()
+    _, host_nodes = tree.match_tiers(RadixKey(list(range(9)) + [99]))
+    assert len(host_nodes) == 1 and tree.min_load_tokens == 10
+    assert tree.start_load(host_nodes) is None and tree.loading_size() == 0
+    tree.check_tiers()
+
+
 def test_a_load_joins_the_tree_only_when_acknowledged():
     tree = make_tree()
     insert(tree, list(range(8)))
     host_slots = tree.match_prefix(RadixKey(list(range(8)))).last_node.host_value.clone()
     tree.evict(8)
     tree.take_copies()
+    tree.min_load_tokens = 8
     result, host_nodes = tree.match_tiers(RadixKey(list(range(8)) + [99]))
     job = tree.start_load(host_nodes)
     assert tree.start_load(host_nodes) is job  # a second request waits for the same load
