@@ -243,8 +243,8 @@ def test_torch_native_paths_equal_per_request_causal_sdpa(prefixes, extends, sha
 
 def test_staged_decode_keys_equal_gathered_keys_across_steps():
     """Decode steps reuse the K/V gathered at the first step (own keys grow by one per row,
-    the shared prefix stays); a request leaving makes the call gather afresh. Every step must
-    equal plain causal attention over each request's slots."""
+    the shared prefix stays); a request leaving drops its row, one joining makes the call
+    gather afresh. Every step must equal plain causal attention over each request's slots."""
     import torch.nn.functional as F
 
     from radixray.worker.attention import AttentionMetadata, KVCache, TorchNativeBackend
@@ -262,9 +262,12 @@ def test_staged_decode_keys_equal_gathered_keys_across_steps():
         kv.req_to_token[row, :n] = torch.tensor((shared if row <= 3 else []) + own)
     backend, t = TorchNativeBackend(), torch.tensor
     modes = []
-    for step in range(6):
-        if step == 3:  # request in row 2 finishes
+    for step in range(7):
+        if step == 3:  # the request in row 2 (the longest) finishes
             rows, lens = [r for r in rows if r != 2], [n for r, n in zip(rows, lens) if r != 2]
+        if step == 5:  # a request joins in row 6
+            kv.req_to_token[6, :20] = torch.tensor([next(free) for _ in range(20)])
+            rows, lens = rows + [6], lens + [20]
         loc = [next(free) for _ in rows]
         for row, n, slot in zip(rows, lens, loc):
             kv.req_to_token[row, n] = slot
@@ -282,10 +285,10 @@ def test_staged_decode_keys_equal_gathered_keys_across_steps():
                     kv.v[layer][slots].transpose(0, 1), enable_gqa=True)
                 assert torch.allclose(out[i], ref.transpose(0, 1).reshape(-1), atol=1e-5)
         lens = [n + 1 for n in lens]
-    # own keys: gathered at the first step and after the membership change, appended
-    # otherwise; the shared prefix keeps its keys through the change (same slots)
-    assert [m["own"] for m in modes] == [True, False, False, True, False, False]
-    assert [m["shared"] for m in modes] == [True, False, False, False, False, False]
+    # own keys: gathered at the first step and when a request joins, kept otherwise (the
+    # leaving request's row dropped); the shared prefix keeps its keys throughout
+    assert [m["own"] for m in modes] == [True, False, False, False, False, True, False]
+    assert [m["shared"] for m in modes] == [True, False, False, False, False, False, False]
 
 
 @pytest.mark.parametrize("budget", [1 << 26, 3 * 2 * 40 * 3])  # one chunk; 3 rows a chunk
@@ -305,3 +308,63 @@ def test_chunked_attention_with_lse_equals_the_cpu_kernel(budget, per_row_mask):
     assert torch.allclose(out, out2, atol=1e-5) and torch.allclose(lse, lse2, atol=1e-5)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible)
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_staged_decode_under_random_leaves_and_joins(seed):
+    """Random decode runs over shared prefixes with requests leaving and joining (through an
+    extend step, as the scheduler does, or straight into a decode step): every step equals
+    plain attention over each request's slots."""
+    import random
+
+    import torch.nn.functional as F
+
+    from radixray.worker.attention import AttentionMetadata, KVCache, TorchNativeBackend
+
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    heads, kv_heads, dim = 4, 2, 8
+    kv = KVCache(1, 4096, kv_heads, dim, torch.float32, "cpu", 40, 256)
+    kv.k[0].normal_(), kv.v[0].normal_()
+    free = iter(torch.randperm(4095).add(1).tolist())
+    prefixes = [[next(free) for _ in range(rng.randrange(32, 80))] for _ in range(3)]
+    backend, t = TorchNativeBackend(), torch.tensor
+    live: dict[int, int] = {}  # table row -> tokens with K/V
+    spare = list(range(1, 40))
+
+    def join():
+        row = spare.pop(rng.randrange(len(spare)))
+        shared = rng.choice(prefixes + [[]])
+        own = [next(free) for _ in range(rng.randrange(1, 20))]
+        kv.req_to_token[row, : len(shared) + len(own)] = torch.tensor(shared + own)
+        live[row] = len(shared) + len(own)
+
+    for _ in range(6):
+        join()
+    staged_steps = 0
+    for _ in range(40):
+        if rng.random() < 0.15 and len(live) > 1:  # a request leaves (its row is not reused)
+            live.pop(rng.choice(sorted(live)))
+        extend_step = rng.random() < 0.1 and spare
+        if rng.random() < 0.15 and spare:
+            join()
+        rows = sorted(live)
+        lens = [live[r] for r in rows]
+        loc = [next(free) for _ in rows]
+        for row, n, slot in zip(rows, lens, loc):
+            kv.req_to_token[row, n] = slot
+        backend.prepare(AttentionMetadata(t(rows), t(lens), t([1] * len(rows)), t(loc), lens,
+                                          [1] * len(rows), decode_only=not extend_step), kv)
+        staged_steps += any(not e.fill for e in backend.stage.entries.values())
+        q = torch.randn(len(rows), heads, dim)
+        k, v = torch.randn(len(rows), kv_heads, dim), torch.randn(len(rows), kv_heads, dim)
+        out = backend.forward(0, q, k, v)
+        for i, (row, n) in enumerate(zip(rows, lens)):
+            slots = kv.req_to_token[row, : n + 1]
+            ref = F.scaled_dot_product_attention(
+                q[i : i + 1].transpose(0, 1), kv.k[0][slots].transpose(0, 1),
+                kv.v[0][slots].transpose(0, 1), enable_gqa=True)
+            assert torch.allclose(out[i], ref.transpose(0, 1).reshape(-1), atol=1e-5)
+        for row in rows:
+            live[row] += 1
+    assert staged_steps > 10  # the staged path ran
