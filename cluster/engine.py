@@ -111,6 +111,7 @@ class Engine:
         self.scheduler = Scheduler(self.config, self.runner, eos_token_ids=eos,
                                    decode=self.tokenizer.decode, vocab_size=mc.vocab_size,
                                    tokenizer=self.tokenizer)
+        self.server_args["disable_overlap_schedule"] = not self.scheduler.overlap  # effective
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt=None, input_ids=None, sampling_params=None,

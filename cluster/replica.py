@@ -136,7 +136,8 @@ class ReplicaServer:
                 "max_total_num_tokens": group.max_total_tokens,
                 "max_running_requests": group.max_running_requests,
                 "max_context_len": group.max_context_len,
-                "vocab_size": group.info["vocab_size"], "restarts": self.restarts}
+                "vocab_size": group.info["vocab_size"], "restarts": self.restarts,
+                "disable_overlap_schedule": not scheduler.overlap}  # the effective choice
         bos = self.tokenizer.bos_token_id
         engine = InProcessEngine(scheduler, info, health_input_ids=[bos if bos is not None else 0])
         engine.tokenizer = self.tokenizer

@@ -207,6 +207,7 @@ def test_overlap_defaults_off_for_an_in_process_cpu_runner(tiny_llama_path):
     with Engine(tiny_llama_path, max_total_tokens=512) as engine:
         assert engine.runner.overlap_by_default is False
         assert engine.scheduler.overlap is False
+        assert engine.server_args["disable_overlap_schedule"] is True
         assert engine.generate(input_ids=[1, 2, 3], sampling_params={
             "max_new_tokens": 3, "temperature": 0})["output_ids"] == hf_greedy(
                 tiny_llama_path, [1, 2, 3], 3)

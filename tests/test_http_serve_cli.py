@@ -72,6 +72,7 @@ def test_serve_without_model_uses_the_default_model(tiny_llama_path, tmp_path):
             time.sleep(0.1)
         info = httpx.get(url + "/get_server_info", timeout=10).json()
         assert info["schedule_policy"] == "lpm" and info["max_total_num_tokens"] == 4096
+        assert info["disable_overlap_schedule"] is False  # Ray workers: overlap on
         assert info["model_path"] == tiny_llama_path
         r = httpx.post(url + "/v1/completions", json={"model": tiny_llama_path, "prompt": "def",
                                                       "max_tokens": 4}, timeout=30)
