@@ -368,3 +368,40 @@ def test_staged_decode_under_random_leaves_and_joins(seed):
         for row in rows:
             live[row] += 1
     assert staged_steps > 10  # the staged path ran
+
+
+@pytest.mark.parametrize("extends", [[1, 1, 1], [3, 1, 5]], ids=["decode", "extend"])
+def test_cascade_in_bfloat16_matches_float_attention(extends):
+    """bfloat16 KV: the shared-prefix merge runs in float32 and writes back in bfloat16."""
+    import torch.nn.functional as F
+
+    from radixray.worker.attention import AttentionMetadata, KVCache, TorchNativeBackend
+
+    torch.manual_seed(0)
+    kv = KVCache(1, 1024, 2, 64, torch.bfloat16, "cpu", 8, 256)
+    kv.k[0].normal_(), kv.v[0].normal_()
+    rows, prefixes, shared, nxt = [1, 2, 3], [120, 130, 110], list(range(1, 101)), 200
+    for row, p, e in zip(rows, prefixes, extends):
+        kv.req_to_token[row, : p + e] = torch.tensor(shared + list(range(nxt, nxt + p + e - 100)))
+        nxt += p + e
+    out_loc = [int(kv.req_to_token[r, p + i]) for r, p, e in zip(rows, prefixes, extends)
+               for i in range(e)]
+    t = torch.tensor
+    backend = TorchNativeBackend()
+    backend.prepare(AttentionMetadata(t(rows), t(prefixes), t(extends), t(out_loc), prefixes,
+                                      extends, decode_only=set(extends) == {1}), kv)
+    total = sum(extends)
+    q = torch.randn(total, 4, 64, dtype=torch.bfloat16)
+    k, v = (torch.randn(total, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    out = backend.forward(0, q, k, v)
+    assert len(backend.shared_calls) == 1 and out.dtype == torch.bfloat16
+    start = 0
+    for row, p, e in zip(rows, prefixes, extends):
+        slots = kv.req_to_token[row, : p + e]
+        causal = torch.arange(p + e)[None, :] <= torch.arange(p, p + e)[:, None]
+        ref = F.scaled_dot_product_attention(
+            q[start : start + e].float().transpose(0, 1), kv.k[0][slots].float().transpose(0, 1),
+            kv.v[0][slots].float().transpose(0, 1), attn_mask=causal, enable_gqa=True)
+        assert torch.allclose(out[start : start + e].float(),
+                              ref.transpose(0, 1).reshape(e, -1), atol=2e-2)
+        start += e

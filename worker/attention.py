@@ -201,7 +201,7 @@ class TorchNativeBackend(AttentionBackend):
                                                  is_causal=True, enable_gqa=True)
             return out.transpose(1, 2).reshape(batch * length, -1)  # [T, Hq * D]
         out = torch.empty_like(q)  # [T, Hq, D]
-        lse = q.new_empty(q.shape[:2])  # [T, Hq]
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)  # [T, Hq]
 
         for i, call in enumerate(self.own_calls):
             keys, values = self._keys_values(("own", i), call, layer_id, k_buf, v_buf, k, v)
@@ -210,7 +210,8 @@ class TorchNativeBackend(AttentionBackend):
             keys, values = self._keys_values(("shared", i), call, layer_id, k_buf, v_buf, k, v)
             shared, shared_lse = call.attend(q, keys, values)
             t = call.tokens
-            out[t], lse[t] = merge_attention(out[t], lse[t], shared, shared_lse)
+            merged, lse[t] = merge_attention(out[t], lse[t], shared, shared_lse)
+            out[t] = merged.to(out.dtype)  # (the merge runs in float32, as the lse)
         for b in self.fresh:  # a fresh prompt's keys are its new ones: plain causal
             start, end = self.starts[b], self.starts[b + 1]
             # 4-D [1, H, L, D]: CPU SDPA takes its flash kernel only for 4-D inputs
