@@ -178,12 +178,16 @@ class Bench:
 
     def _time(self, step, warmup: int, iters: int) -> float:
         """Seconds per step; each step ends by reading its tokens back, as a scheduler does."""
+        return self._seconds(lambda: step().next_token_ids.cpu(), warmup, iters)
+
+    def _seconds(self, fn, warmup: int, iters: int) -> float:
+        """Seconds per call of ``fn`` (which must finish its GPU work itself), after warm-up."""
         for _ in range(warmup):
-            step().next_token_ids.cpu()
+            fn()
         self._sync()
         start = time.perf_counter()
         for _ in range(iters):
-            step().next_token_ids.cpu()
+            fn()
         return (time.perf_counter() - start) / iters
 
     # ------------------------------------------------------------------------------------
@@ -222,17 +226,9 @@ class Bench:
             graph.replay()
             self._sync()
 
-        def sample():
-            self.runner.sampler(logits, batch).next_token_ids.cpu()
-
-        parts = {}
-        for name, fn in (("replay", replay), ("sampler", sample)):
-            for _ in range(self.args.warmup):
-                fn()
-            start = time.perf_counter()
-            for _ in range(self.args.iters):
-                fn()
-            parts[name] = (time.perf_counter() - start) / self.args.iters
+        parts = {"replay": self._seconds(replay, self.args.warmup, self.args.iters),
+                 "sampler": self._time(lambda: self.runner.sampler(logits, batch),
+                                       self.args.warmup, self.args.iters)}
         rest = full - parts["replay"] - parts["sampler"]
         entry = dict(phase="decode_breakdown", backend=backend, batch=bs, ms=full * 1e3,
                      replay_ms=parts["replay"] * 1e3, sampler_ms=parts["sampler"] * 1e3,

@@ -254,14 +254,13 @@ class MaskFiller:
 
     def __call__(self, states: Sequence[GrammarState | None]) -> torch.Tensor | None:
         """The bitmask for a batch whose row ``i`` has ``states[i]`` (None: unconstrained), or
-        None when no row is constrained. Matchers unchanged."""
+        None when no row is constrained. Matchers unchanged. Each row needs a state of its own:
+        xgrammar's thread pool fills rows in parallel, and a matcher is not thread-safe."""
         rows = [i for i, s in enumerate(states) if s is not None]
         if not rows:
             return None
         mask = allocate_vocab_mask(len(states), self.vocab.vocab_size)
-        # a matcher is not thread-safe: one that fills two rows goes row by row
-        shared = len({id(states[i].matcher) for i in rows}) < len(rows)
-        if self._batch is None or len(rows) == 1 or shared:
+        if self._batch is None or len(rows) == 1:
             for i in rows:
                 states[i].matcher.fill_next_token_bitmask(mask, i)
         else:

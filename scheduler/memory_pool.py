@@ -10,7 +10,9 @@ Two ledgers, laid out as SGLang lays them out:
   (page ``p`` holds slots ``p*page_size .. p*page_size + page_size - 1``; page 0 is reserved),
   and ``alloc_extend`` first fills the free tail of each request's last page.
 
-Neither class is thread-safe; one scheduler owns them.
+``SimulatedAllocator`` stands in for the second when only the tree's bookkeeping matters (a
+``RadixCache`` built without an allocator: tests, tools, the in-batch sharing simulation).
+None of them is thread-safe; one scheduler owns them.
 """
 
 from __future__ import annotations
@@ -133,3 +135,31 @@ class TokenToKVPoolAllocator:
         pages = slots if self.page_size == 1 else torch.unique(slots // self.page_size)
         assert int(pages.min()) > 0, "slot 0 (padding) must never be freed"
         self._released.append(pages)
+
+
+class SimulatedAllocator:
+    """Unlimited slots for tests and tools. Hands out fresh ids 1, 2, 3, ... in whole pages,
+    keeps the set of live slots, and rejects freeing a slot that is not live (a double free)."""
+
+    def __init__(self, page_size: int = 1):
+        self.page_size = page_size
+        self._next = page_size  # page 0 stays reserved, as in the real allocator
+        self.live: set[int] = set()
+        self.num_freed = 0
+
+    def available_size(self) -> int:
+        return 1 << 62
+
+    def alloc(self, num_tokens: int) -> torch.Tensor:
+        pages = -(-num_tokens // self.page_size)
+        slots = torch.arange(self._next, self._next + num_tokens, dtype=torch.int64)
+        self._next += pages * self.page_size
+        self.live.update(slots.tolist())
+        return slots
+
+    def free(self, slots: torch.Tensor) -> None:
+        for slot in slots.tolist():
+            if slot not in self.live:
+                raise ValueError(f"slot {slot} freed but not allocated (double free?)")
+            self.live.remove(slot)
+        self.num_freed += len(slots)

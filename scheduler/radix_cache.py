@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 
 from .eviction_policy import EvictionQueue
+from .memory_pool import SimulatedAllocator
 from .radix_key import _BYTES_PER_TOKEN, RadixKey
 
 
@@ -71,34 +72,6 @@ class TreeNode:
 class MatchResult(NamedTuple):
     indices: torch.Tensor  # 1-D int64 slots of the matched prefix; read-only (may be the tree's)
     last_node: TreeNode    # deepest matched node (the root on a miss): what a request locks
-
-
-class SimulatedAllocator:
-    """Unlimited slots for tests and tools. Hands out fresh ids 1, 2, 3, ... in whole pages,
-    keeps the set of live slots, and rejects freeing a slot that is not live (a double free)."""
-
-    def __init__(self, page_size: int = 1):
-        self.page_size = page_size
-        self._next = page_size  # page 0 stays reserved, as in the real allocator
-        self.live: set[int] = set()
-        self.num_freed = 0
-
-    def available_size(self) -> int:
-        return 1 << 62
-
-    def alloc(self, num_tokens: int) -> torch.Tensor:
-        pages = -(-num_tokens // self.page_size)
-        slots = torch.arange(self._next, self._next + num_tokens, dtype=torch.int64)
-        self._next += pages * self.page_size
-        self.live.update(slots.tolist())
-        return slots
-
-    def free(self, slots: torch.Tensor) -> None:
-        for slot in slots.tolist():
-            if slot not in self.live:
-                raise ValueError(f"slot {slot} freed but not allocated (double free?)")
-            self.live.remove(slot)
-        self.num_freed += len(slots)
 
 
 class RadixCache:

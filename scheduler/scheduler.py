@@ -33,7 +33,7 @@ from .overlap import OverlapLoop
 from .policy import InBatchPrefixSharing, QueueView, make_policy
 from .prefill_adder import AddResult, PrefillAdder
 from .request import FinishReason, Req, RequestOutput
-from .stats import SchedulerStats
+from .stats import SchedulerStats, scheduler_metrics
 from .stop import Decode, StopChecker
 from .token_ratio import CLIP_MAX_NEW_TOKENS, NewTokenRatio
 
@@ -385,25 +385,4 @@ class Scheduler:
 
     def metrics(self) -> dict:
         """Gauges and cumulative counters, named as cluster/metrics.py expects them."""
-        pool, s, hi = self.cache.pool_size, self.stats, self.cache.hicache
-        used = pool - self.cache.available_and_evictable()
-        return {
-            "num_running_reqs": len(self.running) + (self.chunked_req is not None),
-            "num_queue_reqs": len(self.waiting) + len(self.loading),
-            "num_grammar_queue_reqs": len(self.grammars.queue) if self.grammars else 0,
-            "token_usage": used / pool,
-            "cache_hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
-            "new_token_ratio": self.ratio.value,
-            "kv_available_tokens": self.cache.available_size(),
-            "kv_evictable_tokens": self.cache.evictable_size(),
-            "prompt_tokens_total": s.prompt_tokens,
-            "generation_tokens_total": s.generated_tokens,
-            "cached_tokens_total": s.cached_tokens,
-            "host_cached_tokens_total": s.host_cached_tokens,
-            "num_requests_total": s.num_finished,
-            "num_aborted_requests_total": s.num_aborted,
-            "num_retracted_reqs_total": s.num_retracted,
-            "evicted_tokens_total": self.cache.evicted_tokens,
-            "hicache_copy_failures_total": (hi.stats.store_failures + hi.stats.load_failures
-                                            if hi is not None else 0),
-        }
+        return scheduler_metrics(self)

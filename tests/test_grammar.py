@@ -223,8 +223,9 @@ def test_jump_forward_leaves_unforced_state_alone(backend, tokenizer):
 def test_mask_layout_is_the_samplers(backend, tokenizer):
     """Every token the unpacked mask allows is accepted by the matcher, and a sample of the
     others is rejected: the bitmask and unpack_vocab_mask agree on the bit layout."""
-    state = backend.new_state(backend.compile("regex", r"(ab|cd)[0-9]+"))
-    mask = MaskFiller(backend.vocab, num_threads=2)([None, state, state])
+    compiled = backend.compile("regex", r"(ab|cd)[0-9]+")
+    state, twin = backend.new_state(compiled), backend.new_state(compiled)
+    mask = MaskFiller(backend.vocab, num_threads=2)([None, state, twin])  # one state per row
     allowed = unpack_vocab_mask(mask, VOCAB)
     assert bool(allowed[0].all())
     assert torch.equal(allowed[1], allowed[2])

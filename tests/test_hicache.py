@@ -47,6 +47,14 @@ def insert(tree, tokens):
     return slots
 
 
+def host_only(tree, tokens):
+    """Cache ``tokens``, then evict them from the device (their host copy stays); the store
+    is taken as sent."""
+    insert(tree, tokens)
+    tree.evict(len(tokens))
+    tree.take_copies()
+
+
 def test_write_through_copies_on_insert_and_eviction_keeps_the_node_on_host():
     tree = make_tree()
     slots = insert(tree, list(range(10)))
@@ -86,9 +94,7 @@ def test_full_host_pool_drops_old_device_nodes_copies_for_new_ones():
 def test_a_node_being_loaded_keeps_its_host_copy():
     tree = make_tree(device=64, host=20)
     first = list(range(10))
-    insert(tree, first)
-    tree.evict(10)  # first is host-only now
-    tree.take_copies()
+    host_only(tree, first)
     result, host_nodes = tree.match_tiers(RadixKey(first))
     job = tree.start_load(host_nodes)  # queued, not in a batch yet
     assert len(job.device_slots) == 10 and tree.loading_size() == 10
@@ -113,9 +119,7 @@ def test_write_back_copies_only_on_eviction():
 
 def test_a_host_hit_below_the_load_threshold_is_computed():
     tree = make_tree()
-    insert(tree, list(range(9)))
-    tree.evict(9)
-    tree.take_copies()
+    host_only(tree, list(range(9)))
     _, host_nodes = tree.match_tiers(RadixKey(list(range(9)) + [99]))
     assert len(host_nodes) == 1 and tree.min_load_tokens == 10
     assert tree.start_load(host_nodes) is None and tree.loading_size() == 0
@@ -160,9 +164,7 @@ def test_locked_parent_with_host_only_children_is_not_evicted():
 
 def test_insert_over_host_only_nodes_adopts_the_new_slots():
     tree = make_tree()
-    insert(tree, list(range(6)))
-    tree.evict(6)
-    tree.take_copies()
+    host_only(tree, list(range(6)))
     slots = tree.allocator.alloc(9)
     # nothing on the device matched: the caller owns no duplicates, the tree took all 9
     assert tree.insert(RadixKey(list(range(9))), slots) == 0

@@ -166,7 +166,6 @@ class TorchNativeBackend(AttentionBackend):
         """Decode steps reuse last step's gathered K/V (own keys grow by one per step, shared
         prefixes stay); any other step changes slots the stage cannot follow, so it is
         dropped."""
-        self.stage.budget_bytes = self.STAGE_BYTES
         if not meta.decode_only:
             self.stage.clear()
             return
