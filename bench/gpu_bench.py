@@ -57,6 +57,7 @@ _bootstrap_import()
 from radixray.kernels import load_attention_backend  # noqa: E402
 from radixray.worker.attention import create_attention_backend  # noqa: E402
 from radixray.worker.forward_batch import ForwardBatch  # noqa: E402
+from radixray.worker.layer_ops import TORCH_OPS  # noqa: E402
 from radixray.worker.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from radixray.worker.sampling_params import SamplingParams  # noqa: E402
 
@@ -238,6 +239,21 @@ class Bench:
                         f"replay {parts['replay'] * 1e3:.2f} + sampler "
                         f"{parts['sampler'] * 1e3:.2f} + host {rest * 1e3:.2f} ms")
 
+    def torch_ops_decode(self, backend: str, bs: int) -> None:
+        """The same graph decode with the model's elementwise work on unfused torch ops (the
+        fused kernels' baseline, worker/layer_ops.py), side by side in this process."""
+        from radixray.kernels.cuda_graph import CudaGraphRunner
+
+        modules = [m for m in self.runner.model.modules() if hasattr(m, "ops")]
+        fused = modules[0].ops
+        for m in modules:
+            m.ops = TORCH_OPS
+        try:
+            self.decode(f"{backend}/torch-ops", CudaGraphRunner(self.runner, [bs]), bs)
+        finally:
+            for m in modules:
+                m.ops = fused
+
     def prefill(self, backend: str, tokens: int) -> None:
         batch = self.prefill_batch(tokens)
         sec = self._time(lambda: self.runner.forward(batch), 1, self.args.prefill_iters)
@@ -316,9 +332,11 @@ def main() -> int:
     tokens = n_req * (args.context + 1) + max(args.prefill) + 64
     runner = ModelRunner(RunnerConfig(
         folder, device=device, dtype="float32" if smoke else "bfloat16", load_format="dummy",
+        layer_ops="triton" if smoke and os.environ.get("TRITON_INTERPRET") == "1" else "auto",
         max_total_tokens=tokens, max_running_requests=n_req + 1,
         max_context_len=max(max(args.prefill), args.context + 1)))
     bench = Bench(args, runner, report, bandwidth, peak)
+    print(f"layer ops: {runner.model.model.norm.ops.name}", flush=True)
     print(f"model built in {time.time() - start:.1f} s: weights {bench.weight_bytes / 2**30:.2f} "
           f"GiB read per decode step, KV {bench.kv_bytes_per_token / 1024:.0f} KiB/token",
           flush=True)
@@ -385,6 +403,11 @@ def main() -> int:
             if "g" in holder and 128 in args.batch_sizes:
                 attempt("decode breakdown bs=128", backend,
                         lambda: bench.breakdown(backend, holder["g"], 128))
+            if "g" in holder and 128 in args.batch_sizes and runner.model.model.norm.ops.name \
+                    != TORCH_OPS.name:
+                holder.clear()  # one set of graphs at a time
+                attempt("decode bs=128 with torch layer ops", backend,
+                        lambda: bench.torch_ops_decode(backend, 128))
             holder.clear()
             torch.cuda.empty_cache()
         for tokens_ in args.prefill:
@@ -393,6 +416,10 @@ def main() -> int:
         if r["phase"] == "decode" and r["batch"] == 128 and "bw_fraction" in r:
             print(f"target  decode bs=128 {r['backend']} graph={int(r['cuda_graph'])}: "
                   f"{r['bw_fraction']:.1%} of the bandwidth roofline (target 70%)", flush=True)
+    if "triton" in backends and not smoke:
+        from radixray.kernels.decode_attention import tuned_decode_configs
+
+        print(f"decode attention configs picked by the autotuner: {tuned_decode_configs()}")
     if not smoke:
         print(f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
     print(f"done in {time.time() - start:.1f} s" + (f"; summary in {json_path}" if json_path

@@ -1,5 +1,6 @@
 """GPU code paths, each beside a torch reference: Triton kernels and the attention backends
-built on them (``triton``, ``flashinfer``), plus CUDA graphs for decode.
+built on them (``triton``, ``flashinfer``), fused elementwise layer ops, plus CUDA graphs for
+decode.
 
 Importing this package imports neither triton nor flashinfer: ``load_attention_backend``
 imports a backend module (which registers it with ``worker.attention``) only when asked, and
@@ -31,6 +32,33 @@ def load_attention_backend(name: str) -> bool:
     except Exception as exc:  # ImportError, or a CUDA library that fails to load
         _load_errors[name] = f"{type(exc).__name__}: {exc}"
         return False
+
+
+LAYER_OPS_CHOICES = ("auto", "torch", "triton")
+
+
+def pick_layer_ops(requested: str, device):
+    """The LayerOps (worker/layer_ops.py) for a model on ``device``. ``auto``: the fused
+    ``triton`` kernels on CUDA when triton imports, torch elsewhere. ``triton`` off CUDA needs
+    ``TRITON_INTERPRET=1`` (tests)."""
+    from ..worker.layer_ops import LAYER_OPS
+
+    if requested not in LAYER_OPS_CHOICES:
+        raise ValueError(f"layer_ops: unknown {requested!r}; use one of "
+                         f"{list(LAYER_OPS_CHOICES)}")
+    on_cuda = _device_type(device) == "cuda"
+    if requested == "torch" or (requested == "auto" and not on_cuda):
+        return LAYER_OPS["torch"]
+    if requested == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("layer_ops: triton needs a CUDA device (or TRITON_INTERPRET=1 on CPU)")
+    try:
+        importlib.import_module(".elementwise", __name__)
+    except Exception as exc:
+        if requested == "auto":
+            return LAYER_OPS["torch"]
+        raise ValueError(f"layer_ops: triton is not available here ({type(exc).__name__}: "
+                         f"{exc})") from exc
+    return LAYER_OPS["triton"]
 
 
 def _device_type(device) -> str:
@@ -65,4 +93,5 @@ def pick_attention_backend(requested: str, device) -> str:
     return requested
 
 
-__all__ = ["ATTENTION_BACKEND_CHOICES", "load_attention_backend", "pick_attention_backend"]
+__all__ = ["ATTENTION_BACKEND_CHOICES", "LAYER_OPS_CHOICES", "load_attention_backend",
+           "pick_attention_backend", "pick_layer_ops"]

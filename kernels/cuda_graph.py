@@ -6,7 +6,8 @@ GPU time; a graph replays them all with one launch. Batches are padded up to the
 size: padding entries use table row 0, position 0 and KV slot 0, which the allocators never hand
 out, so they only overwrite the padding slot.
 
-Per step (``forward``): copy the batch into static device buffers (one host-to-device copy),
+Per step (``forward``): copy the batch into static device buffers (one asynchronous copy from
+pinned memory; future token references resolve inside the graph, so nothing waits for the GPU),
 write the new tokens' slots into the request-to-token table, ``attn.prepare`` outside the graph
 (backends with ``supports_cuda_graph`` update buffers the graph reads, in place), replay, then
 sample from the graph's logits outside it. Optional: nothing imports this module unless a
@@ -45,6 +46,8 @@ class CudaGraphRunner:
         # rows: input ids, positions, table rows, prefix lens, out slots; one H2D copy per step
         self.static = torch.zeros((5, max_bs), dtype=torch.int64, device=dev)
         self.input_ids, self.positions, self.rows, self.prefix_lens, self.out_loc = self.static
+        self.host = torch.zeros((5, max_bs), dtype=torch.int64, pin_memory=True)
+        self.copied = torch.cuda.Event()  # recorded after each step's copy from self.host
         self.extend_lens = torch.ones(max_bs, dtype=torch.int64, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -67,7 +70,10 @@ class CudaGraphRunner:
 
     def _step(self, bs: int) -> torch.Tensor:
         model = self.runner.model
-        hidden = model(self.input_ids[:bs], self.positions[:bs], self.attn)
+        # overlap scheduling's future references (-row) resolve inside the graph: the
+        # runner's future-token buffer is as static as the input buffers
+        input_ids = self.runner.resolve_on_device(self.input_ids[:bs])
+        hidden = model(input_ids, self.positions[:bs], self.attn)
         return model.logits(hidden)
 
     def _capture(self, bs: int) -> None:
@@ -91,13 +97,19 @@ class CudaGraphRunner:
         the backend's buffers and the runner's future-token buffer."""
         bs = batch.batch_size
         padded = next(s for s in self.sizes if s >= bs)
-        host = torch.zeros((5, padded), dtype=torch.int64)
-        host[0, :bs] = self.runner.resolve_input_ids(batch.input_ids)
+        self.runner.check_future_refs(batch.input_ids)
+        self.copied.synchronize()  # the last step's copy has read the pinned buffer
+        host = self.host[:, :padded]
+        host[:, bs:] = 0
+        host[0, :bs] = batch.input_ids  # future references resolve in the graph
         host[1, :bs] = batch.positions
         host[2, :bs] = batch.req_pool_indices
         host[3, :bs] = batch.prefix_lens
         host[4, :bs] = batch.out_cache_loc
-        self.static[:, :padded].copy_(host)
+        # Pinned memory and an asynchronous copy: nothing in this method waits for the GPU,
+        # so under overlap scheduling the step is queued behind the one still running.
+        self.static[:, :padded].copy_(host, non_blocking=True)
+        self.copied.record()
         # the new token's slot goes into the table before prepare: backends read the table
         self.runner.kv.req_to_token[self.rows[:padded], self.prefix_lens[:padded]] = \
             self.out_loc[:padded]
@@ -106,5 +118,5 @@ class CudaGraphRunner:
         self.graphs[padded].replay()
         out = self.runner.sampler(self.logits[padded][:bs], batch)
         # as ModelRunner.forward: later batches may refer to these tokens (overlap scheduling)
-        self.runner.future_tokens[self.rows[:bs]] = out.next_token_ids
+        self.runner.mark_sampled(batch.req_pool_indices, out.next_token_ids, self.rows[:bs])
         return out

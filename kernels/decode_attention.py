@@ -3,7 +3,7 @@
 Request ``b`` attends to positions ``0 .. seq_lens[b] - 1`` whose K/V live in slots
 ``req_to_token[rows[b], p]``. Two kernels (flash-decoding):
 
-1. ``_decode_split_kernel``, grid ``(B, kv_heads, num_splits)``: each program takes one
+1. ``_decode_split_kernel``, grid ``(kv_heads, B, num_splits)``: each program takes one
    request, one KV head and one contiguous chunk of the context, and computes a partial softmax
    for *all* query heads of that KV head's group at once (the group is padded to 16 rows so
    ``tl.dot`` can use tensor cores; each K/V block is loaded once for the whole group).
@@ -34,8 +34,8 @@ def _decode_split_kernel(Q, K, V, Table, Rows, SeqLens, MidO, MidLse, qk_scale,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          PRECISION: tl.constexpr):
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(0)  # fastest-varying: a request's heads run side by side, and
+    b = tl.program_id(1)  # their 256-byte reads of a slot fall in one 2 KB stretch of HBM
     split = tl.program_id(2)
     row = tl.load(Rows + b)
     seq_len = tl.load(SeqLens + b).to(tl.int32)
@@ -77,8 +77,13 @@ def _decode_split_kernel(Q, K, V, Table, Rows, SeqLens, MidO, MidLse, qk_scale,
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     mid = b * stride_mb + heads * stride_mh + split * stride_ms
-    tl.store(MidO + mid[:, None] + offs_d[None, :], out, mask=mask_h[:, None] & mask_d[None, :])
-    tl.store(MidLse + b * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
+    if NUM_SPLITS == 1:  # the partial output is the output: MidO is O, no combine pass
+        tl.store(MidO + mid[:, None] + offs_d[None, :], out.to(MidO.dtype.element_ty),
+                 mask=mask_h[:, None] & mask_d[None, :])
+    else:
+        tl.store(MidO + mid[:, None] + offs_d[None, :], out,
+                 mask=mask_h[:, None] & mask_d[None, :])
+        tl.store(MidLse + b * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
 
 
 @triton.jit
@@ -102,13 +107,21 @@ def _decode_combine_kernel(MidO, MidLse, O, stride_mb, stride_mh, stride_ms, str
     tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=mask_d)
 
 
-def num_decode_splits(batch_size: int, kv_heads: int, sm_count: int | None) -> int:
-    """Splits per (request, KV head) so that roughly four programs run per SM; 1..MAX_SPLITS.
+# Programs to aim for per SM. Few resident programs fit an SM at once (each holds pipelined K
+# and V tiles in shared memory), so with one program per (request, KV head) a batch-128 grid is
+# about one wave and a ragged second one that leaves most SMs idle; several waves bound that
+# tail loss, while each extra split adds a partial output to write and merge (~splits x 8 /
+# context of the KV bytes). bench/gpu_kernels.py sweeps the split count to check this choice.
+PROGRAMS_PER_SM = 16
 
-    Depends on the batch shape only (see the module docstring)."""
+
+def num_decode_splits(batch_size: int, kv_heads: int, sm_count: int | None) -> int:
+    """Splits per (request, KV head) for about PROGRAMS_PER_SM programs per SM;
+    1..MAX_SPLITS. Depends on the batch shape only (see the module docstring)."""
     if sm_count is None:  # CPU / interpreter: a fixed small split count exercises the merge
         return 2
-    return max(1, min(MAX_SPLITS, math.ceil(4 * sm_count / (batch_size * kv_heads))))
+    programs = PROGRAMS_PER_SM * sm_count
+    return max(1, min(MAX_SPLITS, math.ceil(programs / (batch_size * kv_heads))))
 
 
 class DecodeWorkspace:
@@ -128,14 +141,36 @@ class DecodeWorkspace:
         return self._buffers[key]
 
 
+# Block shapes tried by the autotuner on a GPU, the first being the fixed choice off it. Tuned
+# per (group, head_dim, splits) at the first call of each shape (before any CUDA graph capture:
+# the capture's eager warm-up makes that call); each try rewrites only the partial outputs.
+DECODE_CONFIGS = [dict(BLOCK_N=64, num_warps=4, num_stages=2),
+                  dict(BLOCK_N=32, num_warps=4, num_stages=2),
+                  dict(BLOCK_N=64, num_warps=4, num_stages=3),
+                  dict(BLOCK_N=64, num_warps=8, num_stages=2),
+                  dict(BLOCK_N=128, num_warps=4, num_stages=2),
+                  dict(BLOCK_N=128, num_warps=8, num_stages=2)]
+_tuned_split_kernel = triton.autotune(
+    configs=[triton.Config({"BLOCK_N": c["BLOCK_N"]}, num_warps=c["num_warps"],
+                           num_stages=c["num_stages"]) for c in DECODE_CONFIGS],
+    key=["GROUP", "HEAD_DIM", "NUM_SPLITS"])(_decode_split_kernel)
+
+
+def tuned_decode_configs() -> dict:
+    """What the autotuner picked so far: {(group, head_dim, splits, ...): config string}."""
+    return {key: str(cfg) for key, cfg in _tuned_split_kernel.cache.items()}
+
+
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                      req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
                      num_splits: int, workspace: DecodeWorkspace | None = None,
-                     block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                     config: dict | None = None) -> torch.Tensor:
     """Attention of one query token per request over its slots. Returns a new [B, Hq, D].
 
     q: [B, Hq, D]; k_buf, v_buf: [num_slots, Hkv, D]; req_to_token: [R, L] int64;
     rows, seq_lens: [B] (every seq_len >= 1). Mutates only the workspace buffers.
+    ``config``: one of DECODE_CONFIGS' kind to force it; None autotunes on a GPU and takes the
+    first config elsewhere (the interpreter).
     """
     q = q if q.stride(-1) == 1 else q.contiguous()
     batch, heads, head_dim = q.shape
@@ -144,25 +179,34 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
         raise ValueError(f"decode_attention: {heads} query heads are not a multiple of "
                          f"{kv_heads} KV heads")
     group = heads // kv_heads
-    workspace = workspace or DecodeWorkspace()
-    mid_o, mid_lse = workspace.get(batch, heads, num_splits, head_dim, q.device)
     out = torch.empty_like(q)
     if batch == 0:
         return out
+    if num_splits == 1:  # the split kernel writes ``out`` itself (its "split" stride is 0)
+        mid_o, mid_lse = out, out
+        mid_strides = (out.stride(0), out.stride(1), 0, 0, 0)
+    else:
+        mid_o, mid_lse = (workspace or DecodeWorkspace()).get(batch, heads, num_splits,
+                                                              head_dim, q.device)
+        mid_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
+                       mid_lse.stride(1))
     block_d = triton.next_power_of_2(head_dim)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is unused for 16-bit
-    _decode_split_kernel[(batch, kv_heads, num_splits)](
+    if config is None and q.is_cuda:
+        kernel, config = _tuned_split_kernel, {}
+    else:
+        kernel, config = _decode_split_kernel, config or DECODE_CONFIGS[0]
+    kernel[(kv_heads, batch, num_splits)](
         q, k_buf, v_buf, req_to_token, rows, seq_lens, mid_o, mid_lse,
         LOG2E / math.sqrt(head_dim),
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
-        v_buf.stride(0), v_buf.stride(1), req_to_token.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        v_buf.stride(0), v_buf.stride(1), req_to_token.stride(0), *mid_strides,
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        PRECISION=precision, num_warps=num_warps, num_stages=num_stages)
-    _decode_combine_kernel[(batch, heads)](
-        mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d)
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
+        PRECISION=precision, **config)
+    if num_splits > 1:
+        _decode_combine_kernel[(batch, heads)](
+            mid_o, mid_lse, out, *mid_strides, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d)
     return out

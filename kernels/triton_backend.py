@@ -28,9 +28,9 @@ class TritonBackend(AttentionBackend):
         on_gpu = self.device.type == "cuda"
         self.sm_count = (torch.cuda.get_device_properties(self.device).multi_processor_count
                          if on_gpu else None)
-        # Block sizes: GPU values sized for head_dim 128 on Hopper-class parts; on the CPU
-        # interpreter larger blocks only cost time.
-        self.decode_cfg = dict(block_n=64, num_warps=4, num_stages=2)
+        # Block sizes: decode autotunes its own on a GPU (decode_attention.DECODE_CONFIGS);
+        # extend's are sized for head_dim 128 on Hopper-class parts; on the CPU interpreter
+        # larger blocks only cost time.
         self.extend_cfg = (dict(block_m=128, block_n=64, num_warps=8, num_stages=2) if on_gpu
                            else dict(block_m=32, block_n=32))
         self.workspace = DecodeWorkspace()
@@ -60,8 +60,7 @@ class TritonBackend(AttentionBackend):
         store_kv(k_buf, v_buf, meta.out_cache_loc, k, v)
         if meta.decode_only:
             out = decode_attention(q, k_buf, v_buf, kv.req_to_token, meta.req_rows,
-                                   self.seq_lens, self.num_splits, self.workspace,
-                                   **self.decode_cfg)
+                                   self.seq_lens, self.num_splits, self.workspace)
         else:
             out = extend_attention(q, k_buf, v_buf, kv.req_to_token, meta.req_rows,
                                    meta.prefix_lens, meta.extend_lens, self.q_starts,

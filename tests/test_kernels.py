@@ -73,7 +73,8 @@ def test_store_kv_writes_slots_from_strided_views():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim,splits", [(4, 2, 16, 1), (4, 2, 16, 3),
                                                              (3, 3, 24, 2)])
-def test_decode_attention_matches_sdpa(dtype, heads, kv_heads, head_dim, splits):
+@pytest.mark.parametrize("forced", [True, False])  # False: autotuned on a GPU
+def test_decode_attention_matches_sdpa(dtype, heads, kv_heads, head_dim, splits, forced):
     rows, lengths = [3, 1, 2], [1, 40, 97]  # one context shorter than a split, one spanning many
     torch.manual_seed(0)
     k_buf = torch.randn(200, kv_heads, head_dim, device=DEV, dtype=dtype)
@@ -81,7 +82,8 @@ def test_decode_attention_matches_sdpa(dtype, heads, kv_heads, head_dim, splits)
     table = _slot_table(rows, lengths, 200, 128)
     q = torch.randn(len(rows), heads, head_dim, device=DEV, dtype=dtype)
     out = decode_attention(q, k_buf, v_buf, table, torch.tensor(rows, device=DEV),
-                           torch.tensor(lengths, device=DEV), splits, block_n=16)
+                           torch.tensor(lengths, device=DEV), splits,
+                           config=dict(BLOCK_N=16, num_warps=4, num_stages=2) if forced else None)
     for b, (row, n) in enumerate(zip(rows, lengths)):
         slots = table[row, :n]
         ref = _sdpa(q[b][:, None], k_buf[slots].transpose(0, 1), v_buf[slots].transpose(0, 1))
@@ -309,3 +311,34 @@ def test_cuda_graph_decode_equals_eager(dummy_llama, backend, dtype, tol):
     drive.step([(reqs[0], len(reqs[0]["ids"]) - 1, None)])  # batch 1
     assert len(drive.logits[1]) == 5
     _assert_logits_close(drive, tol)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_cuda_graph_resolves_future_references_on_the_device(dummy_llama):
+    """Overlap scheduling's decode inputs (-row: the token sampled for that row last step)
+    give a graph replay the same logits as the tokens themselves."""
+    from radixray.kernels.cuda_graph import CudaGraphRunner
+
+    (runner,) = _runners(dummy_llama, "cuda", "bfloat16", ("triton",))
+    drive = Lockstep([runner])
+    reqs = [{"ids": list(range(3, 3 + n))} for n in (5, 17, 30)]
+    drive.step([(r, 0, None) for r in reqs])  # prefill; each request's ids gain its token
+    graphs = CudaGraphRunner(runner, batch_sizes=(4,))
+    slots = drive.alloc.alloc(len(reqs))
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+
+    def decode(ids):  # the same rows, positions and slots each time: replays are idempotent
+        n = [len(r["ids"]) - 1 for r in reqs]
+        return ForwardBatch(
+            input_ids=t(ids), positions=t(n), req_pool_indices=t([r["row"] for r in reqs]),
+            prefix_lens=t(n), extend_lens=t([1] * len(reqs)), out_cache_loc=slots,
+            prefix_slots=t([]), prefix_slot_lens=t([0] * len(reqs)),
+            sampling_params=[SamplingParams(temperature=0.0) for _ in reqs])
+
+    by_ref = graphs.forward(decode([-r["row"] for r in reqs])).next_token_ids.tolist()
+    ref_logits = drive.logits[0][-1]
+    by_token = graphs.forward(decode([r["ids"][-1] for r in reqs])).next_token_ids.tolist()
+    assert torch.equal(drive.logits[0][-1], ref_logits) and by_ref == by_token
+    assert runner.future_tokens[[r["row"] for r in reqs]].tolist() == by_token
+    with pytest.raises(RuntimeError, match="before it was written"):
+        graphs.forward(decode([-7, reqs[1]["ids"][-1], reqs[2]["ids"][-1]]))  # row 7: unused

@@ -42,15 +42,17 @@ class Driver:
 
         runner.sampler = capture
 
-    def step(self, work: list[tuple[Req, int, torch.Tensor | None]]):
-        """work: (req, prefix_len, carried prefix slots or None). Computes ids[prefix_len:]."""
+    def step(self, work: list[tuple[Req, int, torch.Tensor | None]], future: bool = False):
+        """work: (req, prefix_len, carried prefix slots or None). Computes ids[prefix_len:].
+        ``future``: decode inputs go as overlap scheduling's references (-row) to the token
+        the runner sampled last for that row, instead of the token itself."""
         ids, pos, rows, plens, elens, out, pslots, pslot_lens = [], [], [], [], [], [], [], []
         for req, prefix, carried in work:
             if req.row is None:
                 req.row = self.rows.alloc()
             new = req.ids[prefix:]
             slots = self.alloc.alloc(len(new))
-            ids += new
+            ids += [-req.row] if future and len(new) == 1 else new
             pos += list(range(prefix, len(req.ids)))
             rows.append(req.row)
             plens.append(prefix)
@@ -103,6 +105,26 @@ def test_prefill_then_decode_equals_hf(model_path):
         driver.step([(r, len(r.ids) - 1, None) for r in reqs])  # decode batch
     for r, p in zip(reqs, prompts):
         assert r.out == hf_greedy(model_path, p, steps)
+
+
+def test_future_token_references_resolve_to_the_last_sampled_token(tiny_llama_path):
+    runner = ModelRunner(RunnerConfig(tiny_llama_path, max_total_tokens=1024,
+                                      max_running_requests=8))
+    driver = Driver(runner)
+    prompts = _prompts(3, runner.model_config.vocab_size, seed=4)
+    reqs = [Req(p) for p in prompts]
+    driver.step([(r, 0, None) for r in reqs])
+    for _ in range(5):
+        for r in reqs:
+            r.ids.append(r.out[-1])
+        driver.step([(r, len(r.ids) - 1, None) for r in reqs], future=True)
+    for r, p in zip(reqs, prompts):
+        assert r.out == hf_greedy(tiny_llama_path, p, 6)
+    # a reference to a row nothing was sampled for is a scheduler bug, caught on the host
+    stray = Req([5])
+    stray.row = driver.rows.alloc()
+    with pytest.raises(RuntimeError, match="before it was written"):
+        driver.step([(stray, 0, None)], future=True)
 
 
 def test_extend_on_cached_prefix_and_mixed_batch(model_path):

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .layer_ops import TORCH_OPS, LayerOps
 from .model_config import RopeScaling
 from .parallel import TensorParallel
 
@@ -128,16 +129,18 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float):
+    """``norm(x)`` -> y; ``norm(x, residual)`` -> (y, x + residual): the residual add folded
+    into the norm, so a fused kernel does both in one pass (see layer_ops.py)."""
+
+    def __init__(self, hidden_size: int, eps: float, ops: LayerOps = TORCH_OPS):
         super().__init__()
         self.weight = _set_loader(nn.Parameter(torch.ones(hidden_size)), _copy_full)
-        self.eps = eps
+        self.eps, self.ops = eps, ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def _copy_full(param: nn.Parameter, full: torch.Tensor, part: int = 0) -> None:
@@ -168,35 +171,30 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Te
 class RotaryEmbedding(nn.Module):
     """Applies RoPE (rotate-half layout, as HF Llama/Qwen2) to q and k at given positions."""
 
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: RopeScaling):
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: RopeScaling,
+                 ops: LayerOps = TORCH_OPS):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [P, D/2]
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.ops = ops
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # q: [T, heads, D], k: [T, kv_heads, D]
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+        # q: [T, heads, D], k: [T, kv_heads, D]; may rotate them in place
+        return self.ops.rotary(q, k, self.cos, self.sin, positions)
 
 
 class SwiGLUMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), gate and up merged into one column-parallel matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, tp: TensorParallel):
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TensorParallel,
+                 ops: LayerOps = TORCH_OPS):
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size] * 2, False, tp)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, tp)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import pick_attention_backend
+from ..kernels import pick_attention_backend, pick_layer_ops
 from .attention import AttentionMetadata, KVCache, create_attention_backend
 from .forward_batch import ForwardBatch, ForwardOutput
 from .host_pool import HostKVPool, host_pool_tokens
@@ -39,6 +39,7 @@ class RunnerConfig:
     max_context_len: int | None = None
     page_size: int = 1
     attention_backend: str = "auto"  # best available: flashinfer > triton on CUDA, else torch
+    layer_ops: str = "auto"  # norms, SiLU, RoPE: fused triton kernels on CUDA, else torch
     disable_cuda_graph: bool = False
     load_format: str = "safetensors"  # or "dummy": random weights, for GPU benchmarks
     tp_rank: int = 0
@@ -96,9 +97,11 @@ class ModelRunner:
         self.sampler = Sampler(mc.eos_token_ids, seed=cfg.seed)
         # Overlap scheduling's output buffer: the last token sampled for each table row. A
         # decode input of -r means "the token this worker sampled for row r last step". -1
-        # marks a row with nothing written yet; reading it is a scheduler bug and raises.
+        # marks a row with nothing written yet; reading it is a scheduler bug and raises
+        # (checked against the host mirror future_ready, which never waits for the device).
         self.future_tokens = torch.full((self.max_running_requests + 1,), -1, dtype=torch.int64,
                                         device=self.device)
+        self.future_ready = torch.zeros(self.max_running_requests + 1, dtype=torch.bool)  # host
         self._executor: ThreadPoolExecutor | None = None  # see submit
         self.graphs = None  # CUDA graphs of decode batches, when the backend allows them
         if (self.device.type == "cuda" and not cfg.disable_cuda_graph
@@ -111,8 +114,9 @@ class ModelRunner:
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
+            ops = pick_layer_ops(self.cfg.layer_ops, self.device)
             with torch.device(self.device):
-                model = MODEL_REGISTRY[mc.architecture](mc, self.tp)
+                model = MODEL_REGISTRY[mc.architecture](mc, self.tp, ops)
         finally:
             torch.set_default_dtype(previous)
         if self.cfg.load_format == "dummy":
@@ -185,7 +189,7 @@ class ModelRunner:
     def _forward(self, batch: ForwardBatch) -> ForwardOutput:
         """The model over the batch's requests (eager): slots, forward, logits, sampling."""
         dev = self.device
-        input_ids = self.resolve_input_ids(batch.input_ids).to(dev)
+        input_ids = self.resolve_input_ids(batch.input_ids)
         meta = self._prepare_slots(batch)
         self.attn.prepare(meta, self.kv)
         hidden = self.model(input_ids, batch.positions.to(dev), self.attn)  # [T, H]
@@ -194,23 +198,40 @@ class ModelRunner:
         out = self.sampler(logits, batch)
         # Every rank samples from the same gathered logits with the same generator state, so
         # every rank's buffer holds the same tokens.
-        self.future_tokens[batch.req_pool_indices.to(dev)] = out.next_token_ids
+        self.mark_sampled(batch.req_pool_indices, out.next_token_ids)
         if batch.input_logprob_starts is not None and bool((batch.input_logprob_starts >= 0).any()):
             out.input_token_logprobs, out.input_top_logprobs = self._input_logprobs(
                 batch, hidden, input_ids)
         return out
 
     def resolve_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Replace future references (-row) by the token sampled for that row last step."""
-        future = input_ids < 0
-        if not bool(future.any()):
-            return input_ids
-        resolved = input_ids.clone()
-        values = self.future_tokens[(-input_ids[future]).to(self.device)].to(input_ids.device)
-        if bool((values < 0).any()):
+        """Host ids -> device ids with future references (-row) replaced by the token sampled
+        for that row last step (see ``future_tokens``); ``input_ids`` is left as it is."""
+        if not bool((input_ids < 0).any()):
+            return input_ids.to(self.device)
+        self.check_future_refs(input_ids)
+        return self.resolve_on_device(input_ids.to(self.device, copy=True))
+
+    def check_future_refs(self, input_ids: torch.Tensor) -> None:
+        """Raise if a future reference names a row with no sampled token yet. Reads the host
+        mirror ``future_ready``, so it never waits for the device."""
+        refs = -input_ids[input_ids < 0]
+        if refs.numel() and not bool(self.future_ready[refs].all()):
             raise RuntimeError("future token read before it was written (scheduler bug)")
-        resolved[future] = values
-        return resolved
+
+    def resolve_on_device(self, ids: torch.Tensor) -> torch.Tensor:
+        """Resolve the future references of device tensor ``ids`` in place (no host sync, so a
+        step can be queued while the previous one runs); returns ``ids``."""
+        sampled = self.future_tokens[ids.neg().clamp_(min=0)]
+        return ids.copy_(torch.where(ids < 0, sampled, ids))
+
+    def mark_sampled(self, rows: torch.Tensor, next_ids: torch.Tensor,
+                     device_rows: torch.Tensor | None = None) -> None:
+        """Record the tokens just sampled for table ``rows`` (host tensor; ``device_rows``, the
+        same on the device, spares a blocking copy) for later steps."""
+        self.future_tokens[rows.to(self.device) if device_rows is None else device_rows] = \
+            next_ids
+        self.future_ready[rows] = True
 
     def _prepare_slots(self, batch: ForwardBatch) -> AttentionMetadata:
         dev, table = self.device, self.kv.req_to_token
@@ -228,6 +249,7 @@ class ModelRunner:
                 # a row's new owner has sampled nothing yet (a carried prefix is not a new
                 # owner: a decoding request's row is carried again when the tree dedups it)
                 self.future_tokens[row] = -1
+                self.future_ready[row] = False
             if carried[i]:
                 table[row, : carried[i]] = prefix_slots[p_off : p_off + carried[i]]
                 p_off += carried[i]

@@ -13,6 +13,7 @@ from torch import nn
 from ..attention import AttentionBackend
 from ..layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding,
                       RowParallelLinear, SwiGLUMLP, VocabParallelEmbedding)
+from ..layer_ops import TORCH_OPS, LayerOps
 from ..model_config import ModelConfig
 from ..parallel import TensorParallel
 
@@ -43,32 +44,42 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer_id, tp)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, tp)
+    """x -> x + attn(norm(x)) -> x + mlp(norm(x)). The residual stream travels beside the
+    sublayer output and is added inside the next norm (one fused pass): the layer takes and
+    returns (sublayer output, residual); the first layer gets residual None."""
 
-    def forward(self, x, positions, rotary, attn):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel, ops: LayerOps):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.self_attn = LlamaAttention(cfg, layer_id, tp)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, tp, ops)
+
+    def forward(self, x, residual, positions, rotary, attn):
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(
+            self.self_attn(x, positions, rotary, attn), residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, ops: LayerOps):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp, ops)
+                                    for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                      cfg.rope_scaling)
+                                      cfg.rope_scaling, ops)
 
     def forward(self, input_ids, positions, attn):  # [T] -> [T, H]
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.rotary, attn)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -78,10 +89,10 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, ops: LayerOps = TORCH_OPS):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, tp)
+        self.model = LlamaModel(cfg, tp, ops)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

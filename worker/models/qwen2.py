@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..layer_ops import TORCH_OPS, LayerOps
 from ..model_config import ModelConfig
 from ..parallel import TensorParallel
 from .llama import LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
-        super().__init__(dataclasses.replace(cfg, qkv_bias=True), tp)
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, ops: LayerOps = TORCH_OPS):
+        super().__init__(dataclasses.replace(cfg, qkv_bias=True), tp, ops)
