@@ -19,40 +19,19 @@ each one (``$OUT/gpu_bench.json`` when OUT is set), so a run cut short keeps wha
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
 import time
 import traceback
-import types
 
 import torch
 
-# Card figures: HBM bandwidth (bytes/s) and dense bf16 matmul peak (FLOP/s).
-CARDS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12), "A100": (2.0e12, 312e12)}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_common import (CARDS, LLAMA3_8B, TINY, Report, bootstrap_import,  # noqa: E402
+                        write_config)
 
-
-def _bootstrap_import():
-    """Make ``import radixray`` work from a plain checkout: the repo root *is* the package."""
-    try:
-        import radixray  # noqa: F401
-        return
-    except ImportError:
-        pass
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    link_dir = tempfile.mkdtemp(prefix="radixray_path_")
-    os.symlink(root, os.path.join(link_dir, "radixray"))
-    sys.path.insert(0, link_dir)
-    try:
-        import safetensors  # noqa: F401
-    except ImportError:  # only the checkpoint loader needs it; dummy weights do not
-        stub = types.ModuleType("safetensors")
-        stub.safe_open = None
-        sys.modules["safetensors"] = stub
-
-
-_bootstrap_import()
+bootstrap_import()
 
 from radixray.kernels import load_attention_backend  # noqa: E402
 from radixray.worker.attention import create_attention_backend  # noqa: E402
@@ -60,40 +39,6 @@ from radixray.worker.forward_batch import ForwardBatch  # noqa: E402
 from radixray.worker.layer_ops import TORCH_OPS  # noqa: E402
 from radixray.worker.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from radixray.worker.sampling_params import SamplingParams  # noqa: E402
-
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                 max_position_embeddings=8192, rope_theta=500000.0)
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
-            rope_theta=10000.0)
-
-
-def write_config(folder: str, dims: dict) -> None:
-    """config.json only: the runner builds the model from it and draws random weights."""
-    try:
-        from transformers import LlamaConfig
-
-        LlamaConfig(architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, bos_token_id=1,
-                    eos_token_id=2, **dims).save_pretrained(folder)
-    except ImportError:
-        with open(os.path.join(folder, "config.json"), "w") as f:
-            json.dump(dict(architectures=["LlamaForCausalLM"], model_type="llama",
-                           rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, **dims), f)
-
-
-class Report:
-    """Prints each result as it comes and rewrites the JSON summary after each."""
-
-    def __init__(self, path: str | None, header: dict):
-        self.path, self.data = path, dict(header, results=[], checks=[], errors=[])
-
-    def add(self, kind: str, entry: dict, line: str) -> None:
-        self.data[kind].append(entry)
-        print(line, flush=True)
-        if self.path:
-            with open(self.path, "w") as f:
-                json.dump(self.data, f, indent=1)
 
 
 class Bench:
@@ -238,6 +183,25 @@ class Bench:
                         f"split   {backend:12s} graph=1 bs={bs:4d}: {full * 1e3:.2f} ms/step = "
                         f"replay {parts['replay'] * 1e3:.2f} + sampler "
                         f"{parts['sampler'] * 1e3:.2f} + host {rest * 1e3:.2f} ms")
+        self.kernel_profile(backend, bs, replay)
+
+    def kernel_profile(self, backend: str, bs: int, replay) -> None:
+        """The GPU kernels of one graph replay (torch.profiler): how many, and the largest by
+        time, so a gap to the roofline can be pinned on kernels by name."""
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            replay()
+        rows = [(r.key, r.count, getattr(r, "device_time_total", None)
+                 or getattr(r, "cuda_time_total", 0)) for r in prof.key_averages()]
+        rows = sorted((r for r in rows if r[2] > 0), key=lambda r: -r[2])
+        launches, total_us = sum(r[1] for r in rows), sum(r[2] for r in rows)
+        top = [dict(kernel=k[:80], count=c, ms=us / 1e3) for k, c, us in rows[:10]]
+        self.report.add("results", dict(phase="decode_kernels", backend=backend, batch=bs,
+                                        launches=launches, kernel_ms=total_us / 1e3, top=top),
+                        f"kernels {backend:12s} graph=1 bs={bs:4d}: {launches} launches, "
+                        f"{total_us / 1e3:.2f} ms of kernel time; largest: " + "; ".join(
+                            f"{t['kernel'][:48]} x{t['count']} {t['ms']:.2f} ms" for t in top[:6]))
 
     def torch_ops_decode(self, backend: str, bs: int) -> None:
         """The same graph decode with the model's elementwise work on unfused torch ops (the

@@ -25,7 +25,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_bench import CARDS  # noqa: E402  (also makes `import radixray` work from a checkout)
+from gpu_common import CARDS, bootstrap_import  # noqa: E402
+
+bootstrap_import()
 
 from radixray.worker.layer_ops import TORCH_OPS  # noqa: E402
 

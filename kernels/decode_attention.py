@@ -62,14 +62,16 @@ def _decode_split_kernel(Q, K, V, Table, Rows, SeqLens, MidO, MidLse, qk_scale,
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(K + slots[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :],
                     mask=kv_mask, other=0.0)
+        # V is issued with K, not after the softmax: both depend only on the slots, and
+        # having both reads in flight at once is what keeps HBM busy
+        v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every block has a valid key
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 

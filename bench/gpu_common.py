@@ -1,0 +1,67 @@
+"""Shared by the GPU benchmarks (gpu_bench.py, gpu_kernels.py): card figures, ``import
+radixray`` from a plain checkout, the Llama-3-8B model shape, and the result report."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import types
+
+# Card figures: HBM bandwidth (bytes/s) and dense bf16 matmul peak (FLOP/s).
+CARDS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12), "A100": (2.0e12, 312e12)}
+
+
+def bootstrap_import():
+    """Make ``import radixray`` work from a plain checkout: the repo root *is* the package."""
+    try:
+        import radixray  # noqa: F401
+        return
+    except ImportError:
+        pass
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    link_dir = tempfile.mkdtemp(prefix="radixray_path_")
+    os.symlink(root, os.path.join(link_dir, "radixray"))
+    sys.path.insert(0, link_dir)
+    try:
+        import safetensors  # noqa: F401
+    except ImportError:  # only the checkpoint loader needs it; dummy weights do not
+        stub = types.ModuleType("safetensors")
+        stub.safe_open = None
+        sys.modules["safetensors"] = stub
+
+
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                 max_position_embeddings=8192, rope_theta=500000.0)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
+            rope_theta=10000.0)
+
+
+def write_config(folder: str, dims: dict) -> None:
+    """config.json only: the runner builds the model from it and draws random weights."""
+    try:
+        from transformers import LlamaConfig
+
+        LlamaConfig(architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, bos_token_id=1,
+                    eos_token_id=2, **dims).save_pretrained(folder)
+    except ImportError:
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(dict(architectures=["LlamaForCausalLM"], model_type="llama",
+                           rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, **dims), f)
+
+
+class Report:
+    """Prints each result as it comes and rewrites the JSON summary after each."""
+
+    def __init__(self, path: str | None, header: dict):
+        self.path, self.data = path, dict(header, results=[], checks=[], errors=[])
+
+    def add(self, kind: str, entry: dict, line: str) -> None:
+        self.data[kind].append(entry)
+        print(line, flush=True)
+        if self.path:
+            with open(self.path, "w") as f:
+                json.dump(self.data, f, indent=1)
