@@ -427,3 +427,9 @@ def test_cascade_in_bfloat16_matches_float_attention(extends):
         assert torch.allclose(out[start : start + e].float(),
                               ref.transpose(0, 1).reshape(e, -1), atol=2e-2)
         start += e
+
+
+def test_context_longer_than_the_model_positions_is_refused(tiny_llama_path):
+    with pytest.raises(ValueError, match="max_context_len: .* max_position_embeddings"):
+        ModelRunner(RunnerConfig(tiny_llama_path, max_total_tokens=64,
+                                 max_context_len=10 ** 6))
