@@ -83,6 +83,20 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _rotate_heads(X, t, stride_t, stride_h, cos, sin, offs_d, mask_d, HEADS: tl.constexpr,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rotate-half of token t's [HEADS, 2 * HALF] block of X, in float32, in place."""
+    offs_h = tl.arange(0, BLOCK_H)
+    mask = (offs_h[:, None] < HEADS) & mask_d[None, :]
+    first = X + t * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(first, (a * cos - b * sin).to(x1.dtype), mask=mask)
+    tl.store(first + HALF, (b * cos + a * sin).to(x1.dtype), mask=mask)
+
+
+@triton.jit
 def _rotary_kernel(Q, K, Cos, Sin, Pos, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
                    Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr, HALF: tl.constexpr,
                    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -92,23 +106,8 @@ def _rotary_kernel(Q, K, Cos, Sin, Pos, stride_qt, stride_qh, stride_kt, stride_
     mask_d = offs_d < HALF
     cos = tl.load(Cos + pos * stride_c + offs_d, mask=mask_d, other=0.0)[None, :]
     sin = tl.load(Sin + pos * stride_c + offs_d, mask=mask_d, other=0.0)[None, :]
-    # queries, then keys: rotate-half on [heads, D/2] halves, in float32, in place
-    offs_h = tl.arange(0, BLOCK_QH)
-    mask = (offs_h[:, None] < Q_HEADS) & mask_d[None, :]
-    first = Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
-    x1 = tl.load(first, mask=mask, other=0.0)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0)
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(first, (a * cos - b * sin).to(x1.dtype), mask=mask)
-    tl.store(first + HALF, (b * cos + a * sin).to(x1.dtype), mask=mask)
-    offs_h = tl.arange(0, BLOCK_KH)
-    mask = (offs_h[:, None] < K_HEADS) & mask_d[None, :]
-    first = K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
-    x1 = tl.load(first, mask=mask, other=0.0)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0)
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(first, (a * cos - b * sin).to(x1.dtype), mask=mask)
-    tl.store(first + HALF, (b * cos + a * sin).to(x1.dtype), mask=mask)
+    _rotate_heads(Q, t, stride_qt, stride_qh, cos, sin, offs_d, mask_d, Q_HEADS, HALF, BLOCK_QH)
+    _rotate_heads(K, t, stride_kt, stride_kh, cos, sin, offs_d, mask_d, K_HEADS, HALF, BLOCK_KH)
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -1,21 +1,18 @@
 """Triton kernels against their torch references, on tiny shapes.
 
-Without a GPU the kernels run under TRITON_INTERPRET=1 (set here before triton is imported:
-``@triton.jit`` reads it at decoration time). Skipped when triton is not installed. With a GPU
-the same tests run natively, plus bf16, CUDA-graph and flashinfer checks.
+Without a GPU the kernels run under TRITON_INTERPRET=1 (see triton_setup.py). Skipped when
+triton is not installed. With a GPU the same tests run natively, plus bf16, CUDA-graph and
+flashinfer checks.
 """
 
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
+from triton_setup import CUDA, DEV, DTYPES
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
@@ -33,8 +30,6 @@ from radixray.worker.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from radixray.worker.vocab_mask import unpack_vocab_mask  # noqa: E402
 from radixray.worker.sampling_params import SamplingParams  # noqa: E402
 
-DEV = "cuda" if CUDA else "cpu"
-DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32]
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 

@@ -4,14 +4,10 @@ also runs bfloat16."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from triton_setup import CUDA, DEV, DTYPES
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 from radixray.kernels import pick_layer_ops  # noqa: E402
@@ -19,8 +15,6 @@ from radixray.worker.layer_ops import TORCH_OPS  # noqa: E402
 from radixray.worker.layers import rope_inv_freq  # noqa: E402
 from radixray.worker.model_config import RopeScaling  # noqa: E402
 
-DEV = "cuda" if CUDA else "cpu"
-DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32]
 # float32: same operations in another order; bfloat16: one rounding step apart at most
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 
