@@ -203,6 +203,19 @@ class Bench:
                         f"{total_us / 1e3:.2f} ms of kernel time; largest: " + "; ".join(
                             f"{t['kernel'][:48]} x{t['count']} {t['ms']:.2f} ms" for t in top[:6]))
 
+    def contiguous_decode(self, backend: str, graphs, bs: int) -> None:
+        """The graph decode again with each context in one run of slots, as one prefill
+        allocates them (the default layout scatters every token, the gather's worst case);
+        the scattered layout is filled back afterwards."""
+        scattered = self.ctx_slots
+        self.ctx_slots = list(torch.cat(scattered).sort().values.split(self.ctx))
+        try:
+            self.fill_contexts()
+            self.decode(f"{backend}/contiguous", graphs, bs)
+        finally:
+            self.ctx_slots = scattered
+            self.fill_contexts()
+
     def torch_ops_decode(self, backend: str, bs: int) -> None:
         """The same graph decode with the model's elementwise work on unfused torch ops (the
         fused kernels' baseline, worker/layer_ops.py), side by side in this process."""
@@ -297,6 +310,7 @@ def main() -> int:
     runner = ModelRunner(RunnerConfig(
         folder, device=device, dtype="float32" if smoke else "bfloat16", load_format="dummy",
         layer_ops="triton" if smoke and os.environ.get("TRITON_INTERPRET") == "1" else "auto",
+        disable_cuda_graph=True,  # this script captures its own graphs, per backend
         max_total_tokens=tokens, max_running_requests=n_req + 1,
         max_context_len=max(max(args.prefill), args.context + 1)))
     bench = Bench(args, runner, report, bandwidth, peak)
@@ -367,6 +381,9 @@ def main() -> int:
             if "g" in holder and 128 in args.batch_sizes:
                 attempt("decode breakdown bs=128", backend,
                         lambda: bench.breakdown(backend, holder["g"], 128))
+            if "g" in holder and 128 in args.batch_sizes:
+                attempt("decode bs=128, contiguous contexts", backend,
+                        lambda: bench.contiguous_decode(backend, holder["g"], 128))
             if "g" in holder and 128 in args.batch_sizes and runner.model.model.norm.ops.name \
                     != TORCH_OPS.name:
                 holder.clear()  # one set of graphs at a time
@@ -381,9 +398,9 @@ def main() -> int:
             print(f"target  decode bs=128 {r['backend']} graph={int(r['cuda_graph'])}: "
                   f"{r['bw_fraction']:.1%} of the bandwidth roofline (target 70%)", flush=True)
     if "triton" in backends and not smoke:
-        from radixray.kernels.decode_attention import tuned_decode_configs
+        from radixray.kernels.decode_attention import device_decode_config
 
-        print(f"decode attention configs picked by the autotuner: {tuned_decode_configs()}")
+        print(f"triton decode attention block config: {device_decode_config(runner.device)}")
     if not smoke:
         print(f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
     print(f"done in {time.time() - start:.1f} s" + (f"; summary in {json_path}" if json_path

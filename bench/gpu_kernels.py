@@ -1,9 +1,9 @@
 """GPU kernel microbenchmarks behind issue 10's decode target, on Llama-3-8B's layer shapes.
 
-1. Decode attention alone (one layer, batch 128, 1,024-token contexts): milliseconds and share
-   of the HBM bandwidth per split count, for slots scattered at random (as a radix cache leaves
-   them) and contiguous (the best case for the gather), with the block shape the autotuner
-   picked for each.
+1. Decode attention alone (one layer, batch 128, 1,024-token contexts): time and share of the
+   HBM bandwidth per split count, for slots scattered at random and contiguous (as one prefill
+   allocates them), with the device's fixed block shape and with the autotuner's pick (the
+   line to copy into decode_attention.DECODE_CONFIG_BY_DEVICE).
 2. The elementwise work of one layer at batch 128 (two RMSNorms with the residual add, SiLU and
    multiply, RoPE): torch ops against the fused Triton kernels, microseconds per layer.
 
@@ -66,20 +66,25 @@ def attention_sweep(args, bandwidth: float, results: list) -> None:
     for layout, table in tables.items():
         table = table.to(dev)
         for splits in args.splits:
-            def run():
-                decode_attention(q, k, v, table, rows, seq_lens, splits)
+            times = {}
+            for config in [None] + (["autotune"] if dev == "cuda" else []):
+                def run():
+                    decode_attention(q, k, v, table, rows, seq_lens, splits, config=config)
 
-            run()  # autotunes this split count once
-            ms = timed_ms(args, run)
+                run()  # compiles; "autotune": tries DECODE_CONFIGS on these inputs, once
+                times[config or "fixed"] = timed_ms(args, run)
             picked = [c for key, c in tuned_decode_configs().items()
                       if tuple(key[:3]) == (heads // kv_heads, dim, splits)]
+            ms = times["fixed"]
             entry = dict(what="decode_attention", layout=layout, batch=bs, context=ctx,
                          splits=splits, ms=ms, bw_fraction=kv_bytes / (ms / 1e3) / bandwidth,
-                         config=picked[0] if picked else None)
+                         tuned_ms=times.get("autotune"), tuned_config=picked[0] if picked else None)
             results.append(entry)
-            print(f"attention {layout:10s} bs={bs} ctx={ctx} splits={splits:2d}: {ms * 1e3:7.1f} us"
-                  f"  {kv_bytes / ms / 1e9:6.2f} TB/s = {entry['bw_fraction']:5.1%} of HBM  "
-                  f"({entry['config']})", flush=True)
+            tuned = (f"; autotuned {entry['tuned_ms'] * 1e3:.1f} us = "
+                     f"{kv_bytes / (entry['tuned_ms'] / 1e3) / bandwidth:5.1%} "
+                     f"({entry['tuned_config']})" if entry["tuned_ms"] else "")
+            print(f"attention {layout:10s} bs={bs} ctx={ctx} splits={splits:2d}: fixed "
+                  f"{ms * 1e3:7.1f} us = {entry['bw_fraction']:5.1%} of HBM{tuned}", flush=True)
 
 
 def layer_ops(args, bandwidth: float, results: list) -> None:

@@ -143,19 +143,27 @@ class DecodeWorkspace:
         return self._buffers[key]
 
 
-# Block shapes tried by the autotuner on a GPU, the first being the fixed choice off it. Tuned
-# per (group, head_dim, splits) at the first call of each shape (before any CUDA graph capture:
-# the capture's eager warm-up makes that call); each try rewrites only the partial outputs.
+# Block shapes of the split kernel. Serving uses a fixed one per device (no tuning at start-up,
+# where the KV pool is empty and contexts are meaningless): DECODE_CONFIG_BY_DEVICE, measured
+# offline with bench/gpu_kernels.py, which runs the autotuner over DECODE_CONFIGS on realistic
+# contexts and prints what it picked; a device missing from the table gets the first entry.
 DECODE_CONFIGS = [dict(BLOCK_N=64, num_warps=4, num_stages=2),
                   dict(BLOCK_N=32, num_warps=4, num_stages=2),
                   dict(BLOCK_N=64, num_warps=4, num_stages=3),
                   dict(BLOCK_N=64, num_warps=8, num_stages=2),
                   dict(BLOCK_N=128, num_warps=4, num_stages=2),
                   dict(BLOCK_N=128, num_warps=8, num_stages=2)]
+DECODE_CONFIG_BY_DEVICE: dict[str, dict] = {}  # device name substring -> config; none yet
 _tuned_split_kernel = triton.autotune(
     configs=[triton.Config({"BLOCK_N": c["BLOCK_N"]}, num_warps=c["num_warps"],
                            num_stages=c["num_stages"]) for c in DECODE_CONFIGS],
     key=["GROUP", "HEAD_DIM", "NUM_SPLITS"])(_decode_split_kernel)
+
+
+def device_decode_config(device: torch.device) -> dict:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return next((c for key, c in DECODE_CONFIG_BY_DEVICE.items() if key in name),
+                DECODE_CONFIGS[0])
 
 
 def tuned_decode_configs() -> dict:
@@ -166,13 +174,14 @@ def tuned_decode_configs() -> dict:
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                      req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
                      num_splits: int, workspace: DecodeWorkspace | None = None,
-                     config: dict | None = None) -> torch.Tensor:
+                     config: dict | str | None = None) -> torch.Tensor:
     """Attention of one query token per request over its slots. Returns a new [B, Hq, D].
 
     q: [B, Hq, D]; k_buf, v_buf: [num_slots, Hkv, D]; req_to_token: [R, L] int64;
     rows, seq_lens: [B] (every seq_len >= 1). Mutates only the workspace buffers.
-    ``config``: one of DECODE_CONFIGS' kind to force it; None autotunes on a GPU and takes the
-    first config elsewhere (the interpreter).
+    ``config``: a DECODE_CONFIGS entry to force; None: the device's (device_decode_config);
+    "autotune" (GPU only): the autotuner's pick for this (group, head_dim, splits), found
+    on this call's inputs the first time the shape is seen.
     """
     q = q if q.stride(-1) == 1 else q.contiguous()
     batch, heads, head_dim = q.shape
@@ -194,10 +203,10 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                        mid_lse.stride(1))
     block_d = triton.next_power_of_2(head_dim)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is unused for 16-bit
-    if config is None and q.is_cuda:
+    if config == "autotune":
         kernel, config = _tuned_split_kernel, {}
     else:
-        kernel, config = _decode_split_kernel, config or DECODE_CONFIGS[0]
+        kernel, config = _decode_split_kernel, config or device_decode_config(q.device)
     kernel[(kv_heads, batch, num_splits)](
         q, k_buf, v_buf, req_to_token, rows, seq_lens, mid_o, mid_lse,
         LOG2E / math.sqrt(head_dim),

@@ -14,7 +14,8 @@ import torch
 
 from ..worker.attention import AttentionBackend, AttentionMetadata, KVCache, \
     register_attention_backend
-from .decode_attention import DecodeWorkspace, decode_attention, num_decode_splits
+from .decode_attention import (DecodeWorkspace, decode_attention, device_decode_config,
+                               num_decode_splits)
 from .extend_attention import extend_attention
 from .store_kv import store_kv
 
@@ -28,12 +29,13 @@ class TritonBackend(AttentionBackend):
         on_gpu = self.device.type == "cuda"
         self.sm_count = (torch.cuda.get_device_properties(self.device).multi_processor_count
                          if on_gpu else None)
-        # Block sizes: decode autotunes its own on a GPU (decode_attention.DECODE_CONFIGS);
-        # extend's are sized for head_dim 128 on Hopper-class parts; on the CPU interpreter
+        # Block sizes: decode's come from decode_attention.device_decode_config; extend's are
+        # sized for head_dim 128 on Hopper-class parts; on the CPU interpreter
         # larger blocks only cost time.
         self.extend_cfg = (dict(block_m=128, block_n=64, num_warps=8, num_stages=2) if on_gpu
                            else dict(block_m=32, block_n=32))
         self.workspace = DecodeWorkspace()
+        self.decode_config = device_decode_config(self.device)
         self._seq_lens: dict[int, torch.Tensor] = {}  # batch size -> buffer (graph-stable)
         self.meta: AttentionMetadata | None = None
 
@@ -60,7 +62,8 @@ class TritonBackend(AttentionBackend):
         store_kv(k_buf, v_buf, meta.out_cache_loc, k, v)
         if meta.decode_only:
             out = decode_attention(q, k_buf, v_buf, kv.req_to_token, meta.req_rows,
-                                   self.seq_lens, self.num_splits, self.workspace)
+                                   self.seq_lens, self.num_splits, self.workspace,
+                                   self.decode_config)
         else:
             out = extend_attention(q, k_buf, v_buf, kv.req_to_token, meta.req_rows,
                                    meta.prefix_lens, meta.extend_lens, self.q_starts,

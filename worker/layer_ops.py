@@ -2,9 +2,10 @@
 add folded in), SiLU-and-multiply, rotary embedding.
 
 In eager torch each of these is a handful of kernels (RMSNorm alone: upcast, square, mean,
-rsqrt, two multiplies, downcast); a Llama layer spends ~45 launches on them against 5 matmuls.
-On a GPU decode step, where every launch costs a few microseconds even inside a CUDA graph,
-that is a third of the step. ``kernels/elementwise.py`` registers ``triton``: one kernel per
+rsqrt, two multiplies, downcast); a Llama layer spends ~40 launches on them against 4 matmuls.
+On a GPU decode step every launch costs a few microseconds even inside a CUDA graph: on the
+H200 run in bench/README.md, the likeliest share of the 3.7 ms a batch-1 step took beyond its
+weight reads. ``kernels/elementwise.py`` registers ``triton``: one kernel per
 op. The torch versions here are the reference the kernels are tested against, and what CPUs
 run; ``pick_layer_ops`` in ``kernels`` chooses at model construction.
 
