@@ -123,7 +123,7 @@ class TPWorker:
         try:
             if self.tp_size > 1:
                 self.channel.send(batch)
-            return self.runner.forward(batch)
+            return self.runner.forward(batch).to_host()  # it leaves through Ray
         finally:
             with self._turn:
                 self._next_seq += 1

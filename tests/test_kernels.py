@@ -338,3 +338,14 @@ def test_cuda_graph_resolves_future_references_on_the_device(dummy_llama):
     assert runner.future_tokens[[r["row"] for r in reqs]].tolist() == by_token
     with pytest.raises(RuntimeError, match="before it was written"):
         graphs.forward(decode([-7, reqs[1]["ids"][-1], reqs[2]["ids"][-1]]))  # row 7: unused
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_forward_output_leaves_the_gpu_worker_on_the_cpu():
+    """What a TP worker returns through Ray must unpickle in the scheduler's CPU-only actor."""
+    from radixray.worker.forward_batch import ForwardOutput
+
+    out = ForwardOutput(next_token_ids=torch.tensor([3, 4], device="cuda"),
+                        next_token_logprobs=torch.tensor([-0.5, -1.0], device="cuda")).to_host()
+    assert out.next_token_ids.device.type == "cpu" and out.next_token_ids.tolist() == [3, 4]
+    assert out.next_token_logprobs.device.type == "cpu"

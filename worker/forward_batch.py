@@ -86,6 +86,15 @@ class ForwardOutput:
     kv_store_ok: bool = True
     kv_load_ok: bool = True
 
+    def to_host(self) -> "ForwardOutput":
+        """Move the sampled tokens and their logprobs to the CPU (waits for the step) and
+        return self: a CUDA tensor unpickles only in a process with CUDA, and the scheduler's
+        actor has none. The other fields are CPU tensors already."""
+        self.next_token_ids = self.next_token_ids.cpu()
+        if self.next_token_logprobs is not None:
+            self.next_token_logprobs = self.next_token_logprobs.cpu()
+        return self
+
 
 # ------------------------------------------------------------------ one-tensor wire format
 # Tensor parallelism sends every batch from rank 0 to its peers once per step. Pickling torch
