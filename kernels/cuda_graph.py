@@ -7,10 +7,10 @@ size: padding entries use table row 0, position 0 and KV slot 0, which the alloc
 out, so they only overwrite the padding slot.
 
 Per step (``forward``): copy the batch into static device buffers (one asynchronous copy from
-pinned memory; future token references resolve inside the graph, so nothing waits for the GPU),
-write the new tokens' slots into the request-to-token table, ``attn.prepare`` outside the graph
-(backends with ``supports_cuda_graph`` update buffers the graph reads, in place), replay, then
-sample from the graph's logits outside it. Optional: nothing imports this module unless a
+pinned memory; future token references resolve inside the graph, so the running step is not
+waited for), write the new tokens' slots into the request-to-token table, ``attn.prepare``
+outside the graph (backends with ``supports_cuda_graph`` update buffers the graph reads, in
+place), replay, then sample from the graph's logits outside it. Optional: nothing imports this module unless a
 runner asks for graphs, and it needs a CUDA device.
 """
 
@@ -106,8 +106,9 @@ class CudaGraphRunner:
         host[2, :bs] = batch.req_pool_indices
         host[3, :bs] = batch.prefix_lens
         host[4, :bs] = batch.out_cache_loc
-        # Pinned memory and an asynchronous copy: nothing in this method waits for the GPU,
-        # so under overlap scheduling the step is queued behind the one still running.
+        # Pinned memory and an asynchronous copy: this method waits only for the previous
+        # copy out of the buffer, never for the step still running, so under overlap
+        # scheduling the step is queued behind it.
         self.static[:, :padded].copy_(host, non_blocking=True)
         self.copied.record()
         # the new token's slot goes into the table before prepare: backends read the table
