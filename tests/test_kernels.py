@@ -189,11 +189,14 @@ def dummy_llama(tmp_path_factory):
 
 def _runners(model_path, device, dtype, backends):
     """Runners with identical weights, drawn with std 0.2 and norm weights 1, so attention is
-    peaked and logits spread (the runner's dummy std 0.02 makes both nearly flat)."""
+    peaked and logits spread (the runner's dummy std 0.02 makes both nearly flat). The GPU
+    backends run the fused layer ops, torch_native the torch ones."""
     runners = []
     for name in backends:
         runner = ModelRunner(RunnerConfig(model_path, device=device, dtype=dtype,
                                           attention_backend=name, load_format="dummy",
+                                          layer_ops="torch" if name == "torch_native"
+                                          else "triton",
                                           max_total_tokens=512, max_running_requests=8,
                                           max_context_len=256))
         torch.manual_seed(0)
