@@ -4,7 +4,9 @@
    HBM bandwidth per split count, for slots scattered at random and contiguous (as one prefill
    allocates them), with the device's fixed block shape and with the autotuner's pick (the
    line to copy into decode_attention.DECODE_CONFIG_BY_DEVICE).
-2. The elementwise work of one layer at batch 128 (two RMSNorms with the residual add, SiLU and
+2. Prefill attention alone (one 4,096-token request, causal) per block config of the extend
+   kernel, in TFLOP/s.
+3. The elementwise work of one layer at batch 128 (two RMSNorms with the residual add, SiLU and
    multiply, RoPE): torch ops against the fused Triton kernels, microseconds per layer.
 
 Timings are triton.testing.do_bench's (CUDA events, L2 flushed between runs). Side by side in
@@ -87,6 +89,38 @@ def attention_sweep(args, bandwidth: float, results: list) -> None:
                   f"{ms * 1e3:7.1f} us = {entry['bw_fraction']:5.1%} of HBM{tuned}", flush=True)
 
 
+EXTEND_CONFIGS = [dict(block_m=128, block_n=64, num_warps=8, num_stages=2),  # the backend's
+                  dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
+                  dict(block_m=64, block_n=64, num_warps=4, num_stages=2),
+                  dict(block_m=128, block_n=64, num_warps=4, num_stages=3),
+                  dict(block_m=64, block_n=128, num_warps=4, num_stages=2)]
+
+
+def extend_sweep(args, bandwidth: float, results: list) -> None:
+    """Prefill attention alone (one request of ``args.prefill`` new tokens, causal, one layer)
+    per block config of the extend kernel, in TFLOP/s: the first is the triton backend's."""
+    from radixray.kernels.extend_attention import extend_attention
+
+    n, dev, dtype = args.prefill, args.device, args.dtype
+    heads, kv_heads, dim = (args.shapes[k] for k in ("heads", "kv_heads", "dim"))
+    k = torch.randn(n + 1, kv_heads, dim, device=dev, dtype=dtype)
+    v = torch.randn_like(k)
+    q = torch.randn(n, heads, dim, device=dev, dtype=dtype)
+    table = torch.arange(1, n + 1, device=dev).view(1, n)
+    zero, lens = torch.zeros(1, dtype=torch.int64, device=dev), torch.full((1,), n, device=dev)
+    flops = 4 * heads * dim * n * (n + 1) / 2  # QK^T and PV over the causal half
+    for config in (EXTEND_CONFIGS if dev == "cuda" else EXTEND_CONFIGS[2:3]):
+        def run():
+            extend_attention(q, k, v, table, zero, zero, lens, zero, n, **config)
+
+        run()
+        ms = timed_ms(args, run)
+        results.append(dict(what="extend_attention", tokens=n, ms=ms, config=config,
+                            tflops=flops / (ms / 1e3) / 1e12))
+        print(f"extend    tokens={n}: {ms * 1e3:8.1f} us = {flops / ms / 1e9:6.1f} TFLOP/s "
+              f"({config})", flush=True)
+
+
 def layer_ops(args, bandwidth: float, results: list) -> None:
     from radixray.kernels import pick_layer_ops
 
@@ -127,6 +161,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--splits", default="1,2,3,4,6,8")
+    p.add_argument("--prefill", type=int, default=4096, help="tokens of the extend sweep")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes on the CPU under TRITON_INTERPRET=1 (checks the script)")
     args = p.parse_args()
@@ -135,7 +170,7 @@ def main() -> int:
         if os.environ.get("TRITON_INTERPRET") != "1":
             print("--smoke needs TRITON_INTERPRET=1 in the environment", flush=True)
             return 2
-        args.batch, args.context = 4, 40
+        args.batch, args.context, args.prefill = 4, 40, 48
         args.device, args.dtype, args.shapes, name = "cpu", torch.float32, SMOKE_SHAPES, "cpu"
     elif not torch.cuda.is_available():
         print("no CUDA device: these are GPU kernels (--smoke checks the script on a CPU)",
@@ -147,7 +182,7 @@ def main() -> int:
     bandwidth = CARDS[next((c for c in CARDS if c in name), "H200")][0]
     print(f"device {name}, roofline bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     results: list = []
-    for part in (attention_sweep, layer_ops):
+    for part in (attention_sweep, extend_sweep, layer_ops):
         try:
             part(args, bandwidth, results)
         except Exception as exc:  # one failure must not hide the other part's figures
