@@ -42,3 +42,13 @@ def run_ranks(target, *args, world: int = 2, timeout: float = 120) -> dict:
     for p in procs:
         p.join(timeout=30)
     return results
+
+
+def all_nodes(cache):
+    """Every node of a RadixCache, the root included."""
+    stack, out = [cache.root], []
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(node.children.values())
+    return out
