@@ -23,7 +23,7 @@ from ..worker.layer_ops import LayerOps, register_layer_ops
 @triton.jit
 def _rms_norm_kernel(X, R, W, Y, stride_x, stride_r, stride_y, N, eps,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride may pass 2**31 in a long prefill
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
@@ -61,7 +61,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 @triton.jit
 def _silu_and_mul_kernel(X, Y, stride_x, stride_y, N, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride may pass 2**31 in a long prefill
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
@@ -100,7 +100,7 @@ def _rotate_heads(X, t, stride_t, stride_h, cos, sin, offs_d, mask_d, HEADS: tl.
 def _rotary_kernel(Q, K, Cos, Sin, Pos, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
                    Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr, HALF: tl.constexpr,
                    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Pos + t)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HALF
