@@ -92,7 +92,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mem-fraction-static", type=float, default=0.85,
                    help="GPU: share of memory for weights and KV cache")
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKEND_CHOICES,
-                   help="auto: flashinfer > triton on CUDA, torch_native on CPU")
+                   help="auto: flashinfer (if it takes the model) > triton on CUDA, "
+                        "torch_native on CPU")
     g.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
                    help="dummy: random weights (benchmarks)")
     g = p.add_argument_group("scheduler")

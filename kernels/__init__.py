@@ -65,25 +65,36 @@ def _device_type(device) -> str:
     return device.type if hasattr(device, "type") else str(device).split(":")[0]
 
 
-def pick_attention_backend(requested: str, device) -> str:
+# What FlashInfer's kernels take: head dims it ships kernels for, 16-bit KV only.
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+FLASHINFER_DTYPES = ("torch.float16", "torch.bfloat16")
+
+
+def pick_attention_backend(requested: str, device, head_dim: int | None = None,
+                           dtype=None) -> str:
     """The backend name to pass to ``create_attention_backend``; imports (registers) it.
 
-    ``auto``: flashinfer, else triton, on CUDA; torch_native elsewhere. An explicit name is
-    checked against the device (triton off CUDA needs ``TRITON_INTERPRET=1``) and its
-    dependency; a clear ``attention_backend`` error names what is missing.
+    ``auto``: flashinfer (when it imports and supports the model's head_dim and KV dtype),
+    else triton, on CUDA; torch_native elsewhere. An explicit name is checked against the
+    device (triton off CUDA needs ``TRITON_INTERPRET=1``), its dependency and, for flashinfer,
+    the head_dim and dtype; a clear ``attention_backend`` error names what is wrong.
     """
     if requested not in ATTENTION_BACKEND_CHOICES:
         raise ValueError(f"attention_backend: unknown {requested!r}; use one of "
                          f"{list(ATTENTION_BACKEND_CHOICES)}")
     on_cuda = _device_type(device) == "cuda"
+    flashinfer_unfit = _flashinfer_unfit(head_dim, dtype)
     if requested == "auto":
         if on_cuda:
             for name in ("flashinfer", "triton"):
-                if load_attention_backend(name):
+                if not (name == "flashinfer" and flashinfer_unfit) and load_attention_backend(name):
                     return name
         return "torch_native"
     if requested == "flashinfer" and not on_cuda:
         raise ValueError("attention_backend: flashinfer needs a CUDA device")
+    if requested == "flashinfer" and flashinfer_unfit:
+        raise ValueError(f"attention_backend: flashinfer does not take {flashinfer_unfit}; "
+                         "use triton")
     if requested == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("attention_backend: triton needs a CUDA device (or TRITON_INTERPRET=1 "
                          "on CPU, for tests)")
@@ -91,6 +102,15 @@ def pick_attention_backend(requested: str, device) -> str:
         raise ValueError(f"attention_backend: {requested} is not available here "
                          f"({_load_errors[requested]}); install the matching extra or use auto")
     return requested
+
+
+def _flashinfer_unfit(head_dim: int | None, dtype) -> str:
+    """What of the model FlashInfer cannot take ("" when nothing, or when not known)."""
+    if head_dim is not None and head_dim not in FLASHINFER_HEAD_DIMS:
+        return f"head_dim {head_dim} (it takes {list(FLASHINFER_HEAD_DIMS)})"
+    if dtype is not None and str(dtype) not in FLASHINFER_DTYPES:
+        return f"a {dtype} KV cache (float16 or bfloat16 only)"
+    return ""
 
 
 __all__ = ["ATTENTION_BACKEND_CHOICES", "LAYER_OPS_CHOICES", "load_attention_backend",

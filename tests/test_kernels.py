@@ -167,24 +167,40 @@ def test_pick_attention_backend(monkeypatch):
         pick_attention_backend("flash", "cpu")
     with pytest.raises(ValueError, match="flashinfer needs a CUDA device"):
         pick_attention_backend("flashinfer", "cpu")
+    with pytest.raises(ValueError, match="flashinfer does not take head_dim 32"):
+        pick_attention_backend("flashinfer", "cuda", head_dim=32)
+    with pytest.raises(ValueError, match="flashinfer does not take a torch.float32 KV"):
+        pick_attention_backend("flashinfer", "cuda", head_dim=128, dtype=torch.float32)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         pick_attention_backend("triton", "cpu")
     if CUDA:
         assert pick_attention_backend("auto", "cuda") in ("flashinfer", "triton")
+        # a model FlashInfer cannot take gets triton, not an error
+        assert pick_attention_backend("auto", "cuda", head_dim=32) == "triton"
+        assert pick_attention_backend("auto", "cuda", 128, torch.float32) == "triton"
 
 
 # ---------------------------------------------------------------- through the model runner
 
-@pytest.fixture(scope="module")
-def dummy_llama(tmp_path_factory):
+def _dummy_llama(tmp_path_factory, head_dim: int) -> str:
     """A config.json alone: the runner draws random weights (load_format="dummy")."""
-    path = tmp_path_factory.mktemp("dummy_llama")
+    path = tmp_path_factory.mktemp(f"dummy_llama_{head_dim}")
     (path / "config.json").write_text(json.dumps(dict(
-        architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=128,
+        architectures=["LlamaForCausalLM"], hidden_size=4 * head_dim, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
         max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0)))
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def dummy_llama(tmp_path_factory):
+    return _dummy_llama(tmp_path_factory, 16)
+
+
+@pytest.fixture(scope="module")
+def dummy_llama_hd64(tmp_path_factory):  # FlashInfer's smallest head_dim
+    return _dummy_llama(tmp_path_factory, 64)
 
 
 def _runners(model_path, device, dtype, backends):
@@ -288,13 +304,14 @@ def test_model_runner_triton_equals_torch_native(dummy_llama):
 @pytest.mark.parametrize("backend,dtype,tol", [("triton", "float32", 1e-4),
                                                ("triton", "bfloat16", 0.1),
                                                ("flashinfer", "bfloat16", 0.1)])
-def test_cuda_graph_decode_equals_eager(dummy_llama, backend, dtype, tol):
+def test_cuda_graph_decode_equals_eager(dummy_llama, dummy_llama_hd64, backend, dtype, tol):
     """A backend under CUDA graphs (batch padded to a captured size) equals torch_native."""
     if not load_attention_backend(backend):
         pytest.skip(f"{backend} not importable")
     from radixray.kernels.cuda_graph import CudaGraphRunner
 
-    runners = _runners(dummy_llama, "cuda", dtype, ("torch_native", backend))
+    model = dummy_llama_hd64 if backend == "flashinfer" else dummy_llama
+    runners = _runners(model, "cuda", dtype, ("torch_native", backend))
     drive = Lockstep(runners)
     reqs = [{"ids": list(range(3, 3 + n))} for n in (5, 17, 30)]
     drive.step([(r, 0, None) for r in reqs])

@@ -94,7 +94,8 @@ class ModelRunner:
             self.host_pool = HostKVPool.try_create(tokens, cfg.page_size, mc.num_layers,
                                                    kv_heads, mc.head_dim, dtype, self.device)
         self.host_pool_tokens = self.host_pool.num_tokens if self.host_pool else 0
-        self.attention_backend = pick_attention_backend(cfg.attention_backend, self.device)
+        self.attention_backend = pick_attention_backend(cfg.attention_backend, self.device,
+                                                        mc.head_dim, dtype)
         self.attn = create_attention_backend(self.attention_backend, device=self.device,
                                              model_config=mc)
         self.sampler = Sampler(mc.eos_token_ids, seed=cfg.seed)
