@@ -123,11 +123,14 @@ class TPWorker:
         try:
             if self.tp_size > 1:
                 self.channel.send(batch)
-            return self.runner.forward(batch).to_host()  # it leaves through Ray
+            finish = self.runner.forward(batch).start_host_copy()
         finally:
             with self._turn:
                 self._next_seq += 1
                 self._turn.notify_all()
+        # The turn is passed on before this step's tokens are waited for: on a GPU the next
+        # batch is queued behind this one instead of after its round trip through Ray.
+        return finish()
 
     def follow(self) -> int:
         """Peers only: run every broadcast batch until told to stop. Returns steps run."""

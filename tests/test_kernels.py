@@ -366,6 +366,7 @@ def test_forward_output_leaves_the_gpu_worker_on_the_cpu():
     from radixray.worker.forward_batch import ForwardOutput
 
     out = ForwardOutput(next_token_ids=torch.tensor([3, 4], device="cuda"),
-                        next_token_logprobs=torch.tensor([-0.5, -1.0], device="cuda")).to_host()
+                        next_token_logprobs=torch.tensor([-0.5, -1.0], device="cuda"))
+    assert out.start_host_copy()() is out
     assert out.next_token_ids.device.type == "cpu" and out.next_token_ids.tolist() == [3, 4]
     assert out.next_token_logprobs.device.type == "cpu"

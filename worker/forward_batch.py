@@ -86,14 +86,31 @@ class ForwardOutput:
     kv_store_ok: bool = True
     kv_load_ok: bool = True
 
-    def to_host(self) -> "ForwardOutput":
-        """Move the sampled tokens and their logprobs to the CPU (waits for the step) and
-        return self: a CUDA tensor unpickles only in a process with CUDA, and the scheduler's
-        actor has none. The other fields are CPU tensors already."""
-        self.next_token_ids = self.next_token_ids.cpu()
-        if self.next_token_logprobs is not None:
-            self.next_token_logprobs = self.next_token_logprobs.cpu()
-        return self
+    def start_host_copy(self):
+        """Start copying the sampled tokens and their logprobs to the CPU, without waiting;
+        returns ``finish()``, which waits for that copy alone and returns this output with CPU
+        tensors. A CUDA tensor unpickles only where CUDA is (the scheduler's actor has none),
+        and a step that is not waited for lets the next one be queued meanwhile. The other
+        fields are CPU tensors already; CPU outputs finish at once."""
+        on_gpu = [name for name in ("next_token_ids", "next_token_logprobs")
+                  if getattr(self, name) is not None and getattr(self, name).is_cuda]
+        if not on_gpu:
+            return lambda: self
+        copies = {}
+        for name in on_gpu:
+            t = getattr(self, name)
+            copies[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            copies[name].copy_(t, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+
+        def finish() -> "ForwardOutput":
+            copied.synchronize()
+            for name, host in copies.items():
+                setattr(self, name, host)
+            return self
+
+        return finish
 
 
 # ------------------------------------------------------------------ one-tensor wire format

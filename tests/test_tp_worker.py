@@ -1,0 +1,55 @@
+"""TPWorker without Ray (a plain class): calls that arrive out of order run in submission
+order, each reading the tokens the step before it sampled (overlap scheduling's references)."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from hf_reference import hf_greedy
+from radixray.cluster.tp_worker import TPWorker
+from radixray.worker.forward_batch import ForwardBatch, ForwardOutput
+from radixray.worker.model_runner import RunnerConfig
+from radixray.worker.sampling_params import SamplingParams
+
+
+def _batch(ids, positions, rows, prefix_lens, extend_lens, slots) -> ForwardBatch:
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    return ForwardBatch(
+        input_ids=t(ids), positions=t(positions), req_pool_indices=t(rows),
+        prefix_lens=t(prefix_lens), extend_lens=t(extend_lens), out_cache_loc=t(slots),
+        prefix_slots=t([]), prefix_slot_lens=t([0] * len(rows)),
+        sampling_params=[SamplingParams(temperature=0.0) for _ in rows])
+
+
+def test_out_of_order_calls_run_in_sequence_and_read_the_last_tokens(tiny_llama_path):
+    worker = TPWorker(0, 1, RunnerConfig(tiny_llama_path, max_total_tokens=256,
+                                         max_running_requests=4))
+    worker.init("127.0.0.1", 0)
+    prompts = [[5, 9, 13, 2, 7], [11, 3, 8]]
+    prefill = _batch(sum(prompts, []), [0, 1, 2, 3, 4, 0, 1, 2], [1, 2], [0, 0], [5, 3],
+                     range(1, 9))
+    # overlap scheduling's next step: decode inputs are references to the tokens the prefill
+    # is about to sample (-row), sent before the prefill's tokens are back
+    decodes = [_batch([-1, -2], [5, 3], [1, 2], [5, 3], [1, 1], [9, 10]),
+               _batch([-1, -2], [6, 4], [1, 2], [6, 4], [1, 1], [11, 12])]
+    results: dict[int, ForwardOutput] = {}
+
+    def call(batch, seq):
+        results[seq] = worker.forward(batch, seq)
+
+    threads = [threading.Thread(target=call, args=(b, s))
+               for s, b in reversed(list(enumerate([prefill] + decodes)))]  # last one first
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert sorted(results) == [0, 1, 2]
+    tokens = [[results[s].next_token_ids[i].item() for s in range(3)] for i in range(2)]
+    assert tokens == [hf_greedy(tiny_llama_path, p, 3) for p in prompts]
+
+
+def test_start_host_copy_leaves_cpu_outputs_as_they_are():
+    out = ForwardOutput(next_token_ids=torch.tensor([4, 2]))
+    assert out.start_host_copy()() is out and out.next_token_ids.tolist() == [4, 2]
