@@ -112,8 +112,9 @@ def _decode_combine_kernel(MidO, MidLse, O, stride_mb, stride_mh, stride_ms, str
 # Programs to aim for per SM. Few resident programs fit an SM at once (each holds pipelined K
 # and V tiles in shared memory), so with one program per (request, KV head) a batch-128 grid is
 # about one wave and a ragged second one that leaves most SMs idle; several waves bound that
-# tail loss, while each extra split adds a partial output to write and merge (~splits x 8 /
-# context of the KV bytes). bench/gpu_kernels.py sweeps the split count to check this choice.
+# tail loss, while each extra split adds a partial output to write and merge (2 x group x
+# splits / context of the KV bytes read: 3% for groups of 4, 4 splits, 1k contexts).
+# bench/gpu_kernels.py sweeps the split count to check this choice.
 PROGRAMS_PER_SM = 16
 
 
