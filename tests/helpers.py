@@ -33,15 +33,25 @@ def run_ranks(target, *args, world: int = 2, timeout: float = 120) -> dict:
     from radixray.cluster.tp_worker import free_port
 
     ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=target, args=(rank, port, *args, queue))
+    queue, port, read = ctx.Queue(), free_port(), ctx.Event()
+    procs = [ctx.Process(target=_rank_main, args=(target, rank, port, args, queue, read))
              for rank in range(world)]
     for p in procs:
         p.start()
-    results = dict(queue.get(timeout=timeout) for _ in procs)
+    try:
+        results = dict(queue.get(timeout=timeout) for _ in procs)
+    finally:
+        read.set()
     for p in procs:
         p.join(timeout=30)
     return results
+
+
+def _rank_main(target, rank: int, port: int, args: tuple, queue, read) -> None:
+    target(rank, port, *args, queue)
+    # Tensors on a torch queue travel as shared-memory handles that the receiver opens through
+    # this process: leaving before the parent has read them fails its read (EOFError).
+    read.wait(timeout=120)
 
 
 def all_nodes(cache):
