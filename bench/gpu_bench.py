@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_common import (CARDS, LLAMA3_8B, TINY, Report, bootstrap_import,  # noqa: E402
-                        write_config)
+                        kernel_profile, write_config)
 
 bootstrap_import()
 
@@ -186,21 +186,11 @@ class Bench:
         self.kernel_profile(backend, bs, replay)
 
     def kernel_profile(self, backend: str, bs: int, replay) -> None:
-        """The GPU kernels of one graph replay (torch.profiler): how many, and the largest by
-        time, so a gap to the roofline can be pinned on kernels by name."""
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            replay()
-        rows = [(r.key, r.count, getattr(r, "device_time_total", None)
-                 or getattr(r, "cuda_time_total", 0)) for r in prof.key_averages()]
-        rows = sorted((r for r in rows if r[2] > 0), key=lambda r: -r[2])
-        launches, total_us = sum(r[1] for r in rows), sum(r[2] for r in rows)
-        top = [dict(kernel=k[:80], count=c, ms=us / 1e3) for k, c, us in rows[:10]]
+        launches, total_ms, top = kernel_profile(replay)
         self.report.add("results", dict(phase="decode_kernels", backend=backend, batch=bs,
-                                        launches=launches, kernel_ms=total_us / 1e3, top=top),
+                                        launches=launches, kernel_ms=total_ms, top=top),
                         f"kernels {backend:12s} graph=1 bs={bs:4d}: {launches} launches, "
-                        f"{total_us / 1e3:.2f} ms of kernel time; largest: " + "; ".join(
+                        f"{total_ms:.2f} ms of kernel time; largest: " + "; ".join(
                             f"{t['kernel'][:48]} x{t['count']} {t['ms']:.2f} ms" for t in top[:6]))
 
     def contiguous_decode(self, backend: str, graphs, bs: int) -> None:
@@ -381,7 +371,6 @@ def main() -> int:
             if "g" in holder and 128 in args.batch_sizes:
                 attempt("decode breakdown bs=128", backend,
                         lambda: bench.breakdown(backend, holder["g"], 128))
-            if "g" in holder and 128 in args.batch_sizes:
                 attempt("decode bs=128, contiguous contexts", backend,
                         lambda: bench.contiguous_decode(backend, holder["g"], 128))
             if "g" in holder and 128 in args.batch_sizes and runner.model.model.norm.ops.name \

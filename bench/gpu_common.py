@@ -1,5 +1,6 @@
 """Shared by the GPU benchmarks (gpu_bench.py, gpu_kernels.py): card figures, ``import
-radixray`` from a plain checkout, the Llama-3-8B model shape, and the result report."""
+radixray`` from a plain checkout, the Llama-3-8B model shape, the result report, and a
+kernel profile."""
 
 from __future__ import annotations
 
@@ -65,3 +66,18 @@ class Report:
         if self.path:
             with open(self.path, "w") as f:
                 json.dump(self.data, f, indent=1)
+
+
+def kernel_profile(fn, top: int = 10) -> tuple[int, float, list[dict]]:
+    """The GPU kernels that one call of ``fn`` (which syncs itself) runs, by torch.profiler:
+    (launches, milliseconds of kernel time, the ``top`` largest by time with their counts), so
+    a gap to the roofline can be pinned on kernels by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+    rows = [(r.key, r.count, getattr(r, "device_time_total", None)
+             or getattr(r, "cuda_time_total", 0)) for r in prof.key_averages()]
+    rows = sorted((r for r in rows if r[2] > 0), key=lambda r: -r[2])
+    largest = [dict(kernel=k[:80], count=c, ms=us / 1e3) for k, c, us in rows[:top]]
+    return sum(r[1] for r in rows), sum(r[2] for r in rows) / 1e3, largest

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import torch
+
 
 def multi_turn_chats(engine, turns=4, convs=4, seed=1):
     """``convs`` conversations of ``turns`` turns through ``engine.generate`` (60 tokens of
@@ -62,3 +64,17 @@ def all_nodes(cache):
         out.append(node)
         stack.extend(node.children.values())
     return out
+
+
+def greedy_batch(ids, positions, rows, prefix_lens, extend_lens, slots):
+    """A ForwardBatch of greedy requests that carry no prefix slots (their rows were written
+    by earlier steps): every argument a list or tensor of ints."""
+    from radixray.worker.forward_batch import ForwardBatch
+    from radixray.worker.sampling_params import SamplingParams
+
+    t = lambda x: torch.as_tensor(x, dtype=torch.int64)  # noqa: E731
+    return ForwardBatch(
+        input_ids=t(ids), positions=t(positions), req_pool_indices=t(rows),
+        prefix_lens=t(prefix_lens), extend_lens=t(extend_lens), out_cache_loc=t(slots),
+        prefix_slots=t([]), prefix_slot_lens=t([0] * len(rows)),
+        sampling_params=[SamplingParams(temperature=0.0) for _ in rows])

@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from helpers import greedy_batch
 from triton_setup import CUDA, DEV, DTYPES
 
 pytest.importorskip("triton")
@@ -341,15 +342,10 @@ def test_cuda_graph_resolves_future_references_on_the_device(dummy_llama):
     drive.step([(r, 0, None) for r in reqs])  # prefill; each request's ids gain its token
     graphs = CudaGraphRunner(runner, batch_sizes=(4,))
     slots = drive.alloc.alloc(len(reqs))
-    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
 
     def decode(ids):  # the same rows, positions and slots each time: replays are idempotent
         n = [len(r["ids"]) - 1 for r in reqs]
-        return ForwardBatch(
-            input_ids=t(ids), positions=t(n), req_pool_indices=t([r["row"] for r in reqs]),
-            prefix_lens=t(n), extend_lens=t([1] * len(reqs)), out_cache_loc=slots,
-            prefix_slots=t([]), prefix_slot_lens=t([0] * len(reqs)),
-            sampling_params=[SamplingParams(temperature=0.0) for _ in reqs])
+        return greedy_batch(ids, n, [r["row"] for r in reqs], n, [1] * len(reqs), slots)
 
     by_ref = graphs.forward(decode([-r["row"] for r in reqs])).next_token_ids.tolist()
     ref_logits = drive.logits[0][-1]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import greedy_batch
 from triton_setup import CUDA, DEV, DTYPES
 
 pytest.importorskip("triton")
@@ -97,9 +98,7 @@ def test_model_with_fused_ops_equals_torch_ops(tmp_path):
     the torch ops' logits."""
     import json
 
-    from radixray.worker.forward_batch import ForwardBatch
     from radixray.worker.model_runner import ModelRunner, RunnerConfig
-    from radixray.worker.sampling_params import SamplingParams
 
     (tmp_path / "config.json").write_text(json.dumps(dict(
         architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=160,
@@ -118,7 +117,6 @@ def test_model_with_fused_ops_equals_torch_ops(tmp_path):
         sample = runner.sampler
         runner.sampler = lambda lg, b, i=i, s=sample: (logits[i].append(lg.cpu()), s(lg, b))[1]
         runners.append(runner)
-    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
     prompts = [list(range(3, 20)), [5, 9, 2, 7]]
     ids = [list(p) for p in prompts]
     slots, next_slot = [[], []], 1
@@ -129,15 +127,10 @@ def test_model_with_fused_ops_equals_torch_ops(tmp_path):
             out.append(list(range(next_slot, next_slot + len(e))))
             slots[r] += out[-1]
             next_slot += len(e)
-        batch = ForwardBatch(
-            input_ids=t(sum(extend, [])),
-            positions=t(sum([list(range(len(i) - len(e), len(i))) for i, e in zip(ids, extend)],
-                            [])),
-            req_pool_indices=t([1, 2]), prefix_lens=t([len(i) - len(e) for i, e in
-                                                       zip(ids, extend)]),
-            extend_lens=t([len(e) for e in extend]), out_cache_loc=t(sum(out, [])),
-            prefix_slots=t([]), prefix_slot_lens=t([0, 0]),
-            sampling_params=[SamplingParams(temperature=0.0)] * 2)
+        prefix = [len(i) - len(e) for i, e in zip(ids, extend)]
+        batch = greedy_batch(sum(extend, []),
+                             sum([list(range(p, p + len(e))) for p, e in zip(prefix, extend)], []),
+                             [1, 2], prefix, [len(e) for e in extend], sum(out, []))
         tokens = [runner.forward(batch).next_token_ids.tolist() for runner in runners]
         assert tokens[0] == tokens[1]
         for seq, tok in zip(ids, tokens[0]):

@@ -7,20 +7,11 @@ import threading
 
 import torch
 
+from helpers import greedy_batch
 from hf_reference import hf_greedy
 from radixray.cluster.tp_worker import TPWorker
-from radixray.worker.forward_batch import ForwardBatch, ForwardOutput
+from radixray.worker.forward_batch import ForwardOutput
 from radixray.worker.model_runner import RunnerConfig
-from radixray.worker.sampling_params import SamplingParams
-
-
-def _batch(ids, positions, rows, prefix_lens, extend_lens, slots) -> ForwardBatch:
-    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
-    return ForwardBatch(
-        input_ids=t(ids), positions=t(positions), req_pool_indices=t(rows),
-        prefix_lens=t(prefix_lens), extend_lens=t(extend_lens), out_cache_loc=t(slots),
-        prefix_slots=t([]), prefix_slot_lens=t([0] * len(rows)),
-        sampling_params=[SamplingParams(temperature=0.0) for _ in rows])
 
 
 def test_out_of_order_calls_run_in_sequence_and_read_the_last_tokens(tiny_llama_path):
@@ -28,12 +19,12 @@ def test_out_of_order_calls_run_in_sequence_and_read_the_last_tokens(tiny_llama_
                                          max_running_requests=4))
     worker.init("127.0.0.1", 0)
     prompts = [[5, 9, 13, 2, 7], [11, 3, 8]]
-    prefill = _batch(sum(prompts, []), [0, 1, 2, 3, 4, 0, 1, 2], [1, 2], [0, 0], [5, 3],
+    prefill = greedy_batch(sum(prompts, []), [0, 1, 2, 3, 4, 0, 1, 2], [1, 2], [0, 0], [5, 3],
                      range(1, 9))
     # overlap scheduling's next step: decode inputs are references to the tokens the prefill
     # is about to sample (-row), sent before the prefill's tokens are back
-    decodes = [_batch([-1, -2], [5, 3], [1, 2], [5, 3], [1, 1], [9, 10]),
-               _batch([-1, -2], [6, 4], [1, 2], [6, 4], [1, 1], [11, 12])]
+    decodes = [greedy_batch([-1, -2], [5, 3], [1, 2], [5, 3], [1, 1], [9, 10]),
+               greedy_batch([-1, -2], [6, 4], [1, 2], [6, 4], [1, 1], [11, 12])]
     results: dict[int, ForwardOutput] = {}
 
     def call(batch, seq):
