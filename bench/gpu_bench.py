@@ -65,6 +65,7 @@ class Bench:
         self.kv_bytes_per_token = runner.kv.bytes_per_token(
             mc.num_layers, mc.num_kv_heads, d, runner.kv.k[0].dtype)
         self.logits: dict = {}
+        self.sampling = SamplingParams(temperature=0.0)  # every request's; greedy by default
         tap = runner.sampler
 
         def keep_logits(logits, batch):
@@ -88,14 +89,13 @@ class Bench:
         taken, self.free = self.free[:n], self.free[n:]
         return torch.tensor(taken, dtype=torch.int64)
 
-    @staticmethod
-    def _batch(ids, positions, rows, prefix_lens, extend_lens, out_loc) -> ForwardBatch:
+    def _batch(self, ids, positions, rows, prefix_lens, extend_lens, out_loc) -> ForwardBatch:
         t = lambda x: torch.as_tensor(x, dtype=torch.int64)  # noqa: E731
         return ForwardBatch(
             input_ids=t(ids), positions=t(positions), req_pool_indices=t(rows),
             prefix_lens=t(prefix_lens), extend_lens=t(extend_lens), out_cache_loc=t(out_loc),
             prefix_slots=t([]), prefix_slot_lens=t([0] * len(rows)),
-            sampling_params=[SamplingParams(temperature=0.0) for _ in rows])
+            sampling_params=[self.sampling] * len(rows))
 
     def fill_contexts(self) -> None:
         """Prefill every decode request's context once (rows 1..n), a few requests a batch."""
@@ -205,6 +205,15 @@ class Bench:
         finally:
             self.ctx_slots = scattered
             self.fill_contexts()
+
+    def sampled_decode(self, backend: str, graphs, bs: int) -> None:
+        """The graph decode with every request sampling (temperature 0.7, top-k 50, top-p
+        0.9, as chat clients ask) instead of greedy: the sampler's full-vocabulary sort."""
+        self.sampling = SamplingParams(temperature=0.7, top_k=50, top_p=0.9)
+        try:
+            self.decode(f"{backend}/sampled", graphs, bs)
+        finally:
+            self.sampling = SamplingParams(temperature=0.0)
 
     def torch_ops_decode(self, backend: str, bs: int) -> None:
         """The same graph decode with the model's elementwise work on unfused torch ops (the
@@ -373,6 +382,8 @@ def main() -> int:
                         lambda: bench.breakdown(backend, holder["g"], 128))
                 attempt("decode bs=128, contiguous contexts", backend,
                         lambda: bench.contiguous_decode(backend, holder["g"], 128))
+                attempt("decode bs=128, sampled", backend,
+                        lambda: bench.sampled_decode(backend, holder["g"], 128))
             if "g" in holder and 128 in args.batch_sizes and runner.model.model.norm.ops.name \
                     != TORCH_OPS.name:
                 holder.clear()  # one set of graphs at a time

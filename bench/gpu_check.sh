@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Device checks of issue 10, in one go, from the repo root of a plain checkout (no install):
-#   1. the kernel tests natively on the GPU (tests/test_kernels.py, incl. CUDA graphs), the
-#      hierarchical cache's copy stream (tests/test_hicache_faults_engine.py -k cuda) and the
-#      whole Engine on CUDA against the CPU's (tests/test_engine_gpu.py);
+#   1. the kernel, layer-op, sampler and sync-free tests natively on the GPU (incl. CUDA
+#      graphs), the hierarchical cache's copy stream (tests/test_hicache_faults_engine.py
+#      -k cuda) and the whole Engine on CUDA against the CPU's (tests/test_engine_gpu.py);
 #   2. bench/gpu_kernels.py (decode attention and fused layer ops alone, Llama-3-8B shapes);
 #   3. bench/gpu_bench.py (Llama-3-8B shape, random weights).
 # Usage: bench/gpu_check.sh [tests|bench|all]  (default all). The device tool runs a command
@@ -35,7 +35,7 @@ export PYTHONPATH="$LINK${PYTHONPATH:+:$PYTHONPATH}"
 if [ "$STAGE" != bench ]; then
 # --noconftest: the shared conftest pulls in Ray and tokenizer fixtures these tests never use
 timeout "${TEST_TIMEOUT:-120}" python -m pytest tests/test_kernels.py tests/test_layer_ops.py \
-    tests/test_sampler.py -q -rs --noconftest -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/pytest.txt"
+    tests/test_sampler.py tests/test_sync_free.py -q -rs --noconftest -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/pytest.txt"
 timeout "${TEST_TIMEOUT:-180}" python -m pytest tests/test_hicache_faults_engine.py -k cuda \
     tests/test_engine_gpu.py -q -rs --noconftest -p no:cacheprovider 2>&1 | tail -20 \
     | tee "$OUT/pytest_engine.txt"

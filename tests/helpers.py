@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import torch
@@ -78,3 +79,33 @@ def greedy_batch(ids, positions, rows, prefix_lens, extend_lens, slots):
         prefix_lens=t(prefix_lens), extend_lens=t(extend_lens), out_cache_loc=t(slots),
         prefix_slots=t([]), prefix_slot_lens=t([0] * len(rows)),
         sampling_params=[SamplingParams(temperature=0.0) for _ in rows])
+
+
+def sampling_batch(params, output_lens=None, history=None, vocab_mask=None,
+                   return_logprob=None, top_logprobs_num=None):
+    """A ForwardBatch that only the sampler reads: one decode token per request of ``params``
+    (SamplingParams), with the sampler's optional per-request inputs."""
+    from radixray.worker.forward_batch import ForwardBatch
+
+    b = len(params)
+    zeros = torch.zeros(b, dtype=torch.int64)
+    return ForwardBatch(
+        input_ids=torch.zeros(b, dtype=torch.int64), positions=zeros.clone(),
+        req_pool_indices=torch.arange(1, b + 1), prefix_lens=zeros.clone(),
+        extend_lens=torch.ones(b, dtype=torch.int64), out_cache_loc=torch.arange(1, b + 1),
+        prefix_slots=torch.zeros(0, dtype=torch.int64), prefix_slot_lens=zeros.clone(),
+        sampling_params=params, penalty_history=history or [],
+        output_lens=None if output_lens is None else torch.tensor(output_lens),
+        return_logprob=None if return_logprob is None else torch.tensor(return_logprob),
+        top_logprobs_num=None if top_logprobs_num is None else torch.tensor(top_logprobs_num),
+        vocab_mask=vocab_mask)
+
+
+def write_dummy_llama(path, head_dim: int = 16) -> str:
+    """A Llama config.json alone in ``path`` (2 layers, 4 heads, 2 KV heads, vocab 128): a
+    runner with load_format="dummy" draws random weights for it. Returns the folder."""
+    (path / "config.json").write_text(json.dumps(dict(
+        architectures=["LlamaForCausalLM"], hidden_size=4 * head_dim, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+        max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0)))
+    return str(path)

@@ -7,11 +7,9 @@ flashinfer checks.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from helpers import greedy_batch
+from helpers import greedy_batch, write_dummy_llama
 from triton_setup import CUDA, DEV, DTYPES
 
 pytest.importorskip("triton")
@@ -184,24 +182,14 @@ def test_pick_attention_backend(monkeypatch):
 
 # ---------------------------------------------------------------- through the model runner
 
-def _dummy_llama(tmp_path_factory, head_dim: int) -> str:
-    """A config.json alone: the runner draws random weights (load_format="dummy")."""
-    path = tmp_path_factory.mktemp(f"dummy_llama_{head_dim}")
-    (path / "config.json").write_text(json.dumps(dict(
-        architectures=["LlamaForCausalLM"], hidden_size=4 * head_dim, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-        max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0)))
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def dummy_llama(tmp_path_factory):
-    return _dummy_llama(tmp_path_factory, 16)
+    return write_dummy_llama(tmp_path_factory.mktemp("dummy_llama_16"), 16)
 
 
 @pytest.fixture(scope="module")
 def dummy_llama_hd64(tmp_path_factory):  # FlashInfer's smallest head_dim
-    return _dummy_llama(tmp_path_factory, 64)
+    return write_dummy_llama(tmp_path_factory.mktemp("dummy_llama_64"), 64)
 
 
 def _runners(model_path, device, dtype, backends):

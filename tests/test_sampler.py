@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
+from helpers import sampling_batch
 
-from radixray.worker.forward_batch import ForwardBatch
 from radixray.worker.sampler import (Sampler, filter_logits, seed_for_step, token_logprobs,
                                      top_logprobs)
 from radixray.worker.sampling_params import SamplingParams
@@ -18,27 +18,11 @@ EOS = 3
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def make_batch(params, output_lens=None, history=None, vocab_mask=None, return_logprob=None,
-               top_logprobs_num=None):
-    b = len(params)
-    zeros = torch.zeros(b, dtype=torch.int64)
-    return ForwardBatch(
-        input_ids=torch.zeros(b, dtype=torch.int64), positions=zeros.clone(),
-        req_pool_indices=torch.arange(1, b + 1), prefix_lens=zeros.clone(),
-        extend_lens=torch.ones(b, dtype=torch.int64), out_cache_loc=torch.arange(1, b + 1),
-        prefix_slots=torch.zeros(0, dtype=torch.int64), prefix_slot_lens=zeros.clone(),
-        sampling_params=params, penalty_history=history or [],
-        output_lens=None if output_lens is None else torch.tensor(output_lens),
-        return_logprob=None if return_logprob is None else torch.tensor(return_logprob),
-        top_logprobs_num=None if top_logprobs_num is None else torch.tensor(top_logprobs_num),
-        vocab_mask=vocab_mask)
-
-
 def draw(logits_row, params, n=4000, seed=0, device="cpu"):
     """n independent draws from one logits row: a batch of n identical requests."""
     sampler = Sampler(eos_token_ids=[EOS], seed=seed)
     logits = logits_row.unsqueeze(0).expand(n, -1).contiguous().to(device)
-    out = sampler(logits, make_batch([params] * n))
+    out = sampler(logits, sampling_batch([params] * n))
     return torch.bincount(out.next_token_ids.cpu(), minlength=logits_row.numel())
 
 
@@ -164,9 +148,9 @@ def test_greedy_is_argmax_in_any_dtype():
     params = [SamplingParams(temperature=0.0), SamplingParams(top_k=1, temperature=0.8)] * 3 + [
         SamplingParams(temperature=1e-7)]
     sampler = Sampler(eos_token_ids=EOS)
-    out = sampler(logits, make_batch(params))
+    out = sampler(logits, sampling_batch(params))
     assert torch.equal(out.next_token_ids, logits.argmax(-1))
-    out16 = sampler(logits.bfloat16(), make_batch(params))
+    out16 = sampler(logits.bfloat16(), sampling_batch(params))
     assert torch.equal(out16.next_token_ids, logits.bfloat16().argmax(-1))
     assert out.next_token_logprobs is None and out.top_logprobs is None
 
@@ -175,7 +159,7 @@ def test_greedy_rows_beside_sampled_rows_stay_argmax():
     torch.manual_seed(0)
     logits = torch.randn(6, 100)
     params = [SamplingParams(temperature=0.0) if i % 2 else SamplingParams() for i in range(6)]
-    out = Sampler(seed=0)(logits, make_batch(params))
+    out = Sampler(seed=0)(logits, sampling_batch(params))
     assert torch.equal(out.next_token_ids[1::2], logits[1::2].argmax(-1))
 
 
@@ -188,7 +172,7 @@ def test_penalties_transform_logits_exactly():
     params = [SamplingParams(repetition_penalty=2.0),
               SamplingParams(frequency_penalty=0.5, presence_penalty=0.25),
               SamplingParams()]  # no penalties: row untouched
-    batch = make_batch(params, history=[(prompt, output), (prompt, output), None])
+    batch = sampling_batch(params, history=[(prompt, output), (prompt, output), None])
     got = Sampler().adjust_logits(logits, batch)
 
     rep = logits[0].clone()
@@ -207,19 +191,19 @@ def test_penalties_transform_logits_exactly():
 def test_penalties_combine_repetition_first():
     logits = torch.tensor([[2.0, -1.0, 0.5]])
     params = [SamplingParams(repetition_penalty=1.25, frequency_penalty=1.0)]
-    got = Sampler().adjust_logits(logits, make_batch(params, history=[([0], [1, 1])]))
+    got = Sampler().adjust_logits(logits, sampling_batch(params, history=[([0], [1, 1])]))
     assert torch.equal(got[0], torch.tensor([2.0 / 1.25, -1.0 * 1.25 - 2.0, 0.5]))
 
 
 def test_logit_bias_adds_and_steers_sampling():
     logits = torch.zeros(2, 6)
     params = [SamplingParams(logit_bias={4: 5.0, 1: -2.5}), SamplingParams(temperature=0.0)]
-    got = Sampler().adjust_logits(logits, make_batch(params))
+    got = Sampler().adjust_logits(logits, sampling_batch(params))
     assert got[0].tolist() == [0.0, -2.5, 0.0, 0.0, 5.0, 0.0]
     assert got[1].tolist() == [0.0] * 6
     counts = draw(torch.zeros(6), SamplingParams(logit_bias={2: 100.0}), n=500)
     assert counts[2] == 500
-    greedy = Sampler()(torch.zeros(1, 6), make_batch([SamplingParams(temperature=0,
+    greedy = Sampler()(torch.zeros(1, 6), sampling_batch([SamplingParams(temperature=0,
                                                                      logit_bias={5: 1.0})]))
     assert greedy.next_token_ids.tolist() == [5]
 
@@ -229,9 +213,9 @@ def test_min_new_tokens_blocks_eos_and_stop_ids_until_reached():
     logits[0, EOS], logits[0, 5] = 10.0, 9.0  # EOS, then a stop id, are by far the likeliest
     params = [SamplingParams(temperature=0.0, min_new_tokens=2, stop_token_ids=[5])]
     sampler = Sampler(eos_token_ids=[EOS])
-    early = sampler(logits, make_batch(params, output_lens=[1]))
+    early = sampler(logits, sampling_batch(params, output_lens=[1]))
     assert early.next_token_ids.item() not in (EOS, 5)
-    assert sampler(logits, make_batch(params, output_lens=[2])).next_token_ids.item() == EOS
+    assert sampler(logits, sampling_batch(params, output_lens=[2])).next_token_ids.item() == EOS
     sampled = draw(logits[0], SamplingParams(min_new_tokens=1, stop_token_ids=[5]), n=2000)
     assert sampled[EOS] == 0 and sampled[5] == 0
 
@@ -240,7 +224,7 @@ def test_min_new_tokens_yields_to_a_grammar_that_only_allows_eos():
     mask = torch.zeros(1, 1, dtype=torch.int32)
     mask[0, 0] = 1 << EOS
     params = [SamplingParams(min_new_tokens=4)]
-    out = Sampler(eos_token_ids=EOS)(torch.randn(1, 20), make_batch(params, output_lens=[0],
+    out = Sampler(eos_token_ids=EOS)(torch.randn(1, 20), sampling_batch(params, output_lens=[0],
                                                                    vocab_mask=mask))
     assert out.next_token_ids.item() == EOS
 
@@ -269,7 +253,7 @@ def test_vocab_mask_excludes_tokens(device):
     logits[:, 0] = 50.0  # the model's favourite is forbidden
     params = [SamplingParams(temperature=1.0)] * (n - 1) + [SamplingParams(temperature=0.0)]
     mask = row.expand(n, 2).contiguous()
-    out = Sampler(seed=0)(logits.to(device), make_batch(params, vocab_mask=mask))
+    out = Sampler(seed=0)(logits.to(device), sampling_batch(params, vocab_mask=mask))
     assert set(out.next_token_ids.tolist()) == set(allowed)
     assert out.next_token_ids[-1] == allowed[int(logits[-1, allowed].argmax())]
 
@@ -286,7 +270,7 @@ def test_seed_reproduces_across_batch_compositions(device):
         rows = [target] + [torch.randn(64) for _ in range(extra)]
         params = [p] + [SamplingParams(seed=(7 if k % 2 else None)) for k in range(extra)]
         perm = list(reversed(range(len(rows))))  # the seeded request moves around
-        batch = make_batch([params[k] for k in perm], output_lens=[out_len] * len(rows))
+        batch = sampling_batch([params[k] for k in perm], output_lens=[out_len] * len(rows))
         logits = torch.stack([rows[k] for k in perm]).to(device)
         out = Sampler(seed=sampler_seed)(logits, batch)
         return out.next_token_ids[perm.index(0)].item()
@@ -301,9 +285,9 @@ def test_seed_reproduces_across_batch_compositions(device):
 def test_unseeded_rows_use_the_sampler_generator():
     logits = torch.zeros(50, 100)
     params = [SamplingParams()] * 50
-    a = Sampler(seed=5)(logits, make_batch(params)).next_token_ids
-    b = Sampler(seed=5)(logits, make_batch(params)).next_token_ids
-    c = Sampler(seed=6)(logits, make_batch(params)).next_token_ids
+    a = Sampler(seed=5)(logits, sampling_batch(params)).next_token_ids
+    b = Sampler(seed=5)(logits, sampling_batch(params)).next_token_ids
+    c = Sampler(seed=6)(logits, sampling_batch(params)).next_token_ids
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
@@ -337,7 +321,7 @@ def test_forward_output_logprobs_are_raw_model_logprobs(device):
               SamplingParams(temperature=0.0, logit_bias={0: 30.0}),
               SamplingParams(),
               SamplingParams(temperature=0.0)]
-    batch = make_batch(params, history=[([1, 2], [3]), None, None, None],
+    batch = sampling_batch(params, history=[([1, 2], [3]), None, None, None],
                        return_logprob=[True, True, False, True], top_logprobs_num=[3, 0, 5, 50])
     out = Sampler(seed=0)(logits.to(device), batch)
     out.next_token_ids = out.next_token_ids.cpu()
@@ -361,23 +345,23 @@ def test_forward_output_logprobs_are_raw_model_logprobs(device):
 def test_bad_input_names_the_field():
     sampler = Sampler()
     with pytest.raises(ValueError, match="^penalty_history"):
-        sampler(torch.zeros(1, 8), make_batch([SamplingParams(presence_penalty=1.0)]))
+        sampler(torch.zeros(1, 8), sampling_batch([SamplingParams(presence_penalty=1.0)]))
     with pytest.raises(ValueError, match="^logit_bias"):
-        sampler(torch.zeros(1, 8), make_batch([SamplingParams(logit_bias={8: 1.0})]))
+        sampler(torch.zeros(1, 8), sampling_batch([SamplingParams(logit_bias={8: 1.0})]))
     with pytest.raises(ValueError, match="^vocab_mask"):
-        sampler(torch.zeros(1, 40), make_batch([SamplingParams()],
+        sampler(torch.zeros(1, 40), sampling_batch([SamplingParams()],
                                                vocab_mask=torch.zeros(1, 1, dtype=torch.int32)))
     with pytest.raises(ValueError, match="^vocab_mask"):
-        sampler(torch.zeros(1, 8), make_batch([SamplingParams()],
+        sampler(torch.zeros(1, 8), sampling_batch([SamplingParams()],
                                               vocab_mask=torch.zeros(1, 1, dtype=torch.int32)))
     with pytest.raises(ValueError, match="^logits"):
-        sampler(torch.zeros(2, 8), make_batch([SamplingParams()]))
+        sampler(torch.zeros(2, 8), sampling_batch([SamplingParams()]))
 
 
 def test_mask_allowing_only_tokens_past_the_vocab_is_rejected():
     mask = torch.tensor([[0, 1 << 10]], dtype=torch.int32)  # token 42 only; the vocab is 40
     with pytest.raises(ValueError, match="^vocab_mask: row 0 allows no token"):
-        Sampler()(torch.zeros(1, 40), make_batch([SamplingParams()], vocab_mask=mask))
+        Sampler()(torch.zeros(1, 40), sampling_batch([SamplingParams()], vocab_mask=mask))
     mask = torch.tensor([[0, 1 << 7]], dtype=torch.int32)  # token 39, the last one
-    out = Sampler()(torch.zeros(1, 40), make_batch([SamplingParams()], vocab_mask=mask))
+    out = Sampler()(torch.zeros(1, 40), sampling_batch([SamplingParams()], vocab_mask=mask))
     assert out.next_token_ids.tolist() == [39]

@@ -192,13 +192,12 @@ class ModelRunner:
 
     def _forward(self, batch: ForwardBatch) -> ForwardOutput:
         """The model over the batch's requests (eager): slots, forward, logits, sampling."""
-        dev = self.device
         input_ids = self.resolve_input_ids(batch.input_ids)
         meta = self._prepare_slots(batch)
         self.attn.prepare(meta, self.kv)
-        hidden = self.model(input_ids, batch.positions.to(dev), self.attn)  # [T, H]
+        hidden = self.model(input_ids, self._to_device(batch.positions), self.attn)  # [T, H]
         last = torch.cumsum(batch.extend_lens, 0) - 1  # index of each request's last new token
-        logits = self.model.logits(hidden[last.to(dev)])  # [B, V]
+        logits = self.model.logits(hidden[self._to_device(last)])  # [B, V]
         out = self.sampler(logits, batch)
         # Every rank samples from the same gathered logits with the same generator state, so
         # every rank's buffer holds the same tokens.
@@ -212,9 +211,9 @@ class ModelRunner:
         """Host ids -> device ids with future references (-row) replaced by the token sampled
         for that row last step (see ``future_tokens``); ``input_ids`` is left as it is."""
         if not bool((input_ids < 0).any()):
-            return input_ids.to(self.device)
+            return self._to_device(input_ids)
         self.check_future_refs(input_ids)
-        return self.resolve_on_device(input_ids.to(self.device, copy=True))
+        return self.resolve_on_device(input_ids.to(self.device, copy=True, non_blocking=True))
 
     def check_future_refs(self, input_ids: torch.Tensor) -> None:
         """Raise if a future reference names a row with no sampled token yet. Reads the host
@@ -233,20 +232,28 @@ class ModelRunner:
                      device_rows: torch.Tensor | None = None) -> None:
         """Record the tokens just sampled for table ``rows`` (host tensor; ``device_rows``, the
         same on the device, spares a blocking copy) for later steps."""
-        self.future_tokens[rows.to(self.device) if device_rows is None else device_rows] = \
+        self.future_tokens[self._to_device(rows) if device_rows is None else device_rows] = \
             next_ids
         self.future_ready[rows] = True
 
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on this rank's device without a stream sync: a blocking copy would
+        wait for the forward queued before it (under overlap scheduling, the previous batch),
+        leaving the GPU idle while this batch is prepared. Pageable host memory is staged by
+        the driver before the call returns, so the source may be reused at once."""
+        return host.to(self.device, non_blocking=True)
+
     def _prepare_slots(self, batch: ForwardBatch) -> AttentionMetadata:
-        dev, table = self.device, self.kv.req_to_token
-        rows = batch.req_pool_indices.to(dev)
+        table, to_device = self.kv.req_to_token, self._to_device
+        rows = to_device(batch.req_pool_indices)
         prefix_lens, extend_lens = batch.prefix_lens.tolist(), batch.extend_lens.tolist()
         carried = batch.prefix_slot_lens.tolist()
-        prefix_slots = batch.prefix_slots.to(dev)
-        out_loc = batch.out_cache_loc.to(dev)
+        prefix_slots = to_device(batch.prefix_slots)
+        out_loc = to_device(batch.out_cache_loc)
+        device_prefix_lens = to_device(batch.prefix_lens)
         decode_only = all(e == 1 for e in extend_lens) and not any(carried)
         if decode_only:  # one vectorised write: each row gains its new token's slot
-            table[rows, batch.prefix_lens.to(dev)] = out_loc
+            table[rows, device_prefix_lens] = out_loc
         p_off = o_off = 0
         for i, row in enumerate(batch.req_pool_indices.tolist() if not decode_only else []):
             if prefix_lens[i] == 0:
@@ -261,8 +268,8 @@ class ModelRunner:
                 out_loc[o_off : o_off + extend_lens[i]]
             o_off += extend_lens[i]
         return AttentionMetadata(
-            req_rows=rows, prefix_lens=batch.prefix_lens.to(dev),
-            extend_lens=batch.extend_lens.to(dev), out_cache_loc=out_loc,
+            req_rows=rows, prefix_lens=device_prefix_lens,
+            extend_lens=to_device(batch.extend_lens), out_cache_loc=out_loc,
             prefix_lens_cpu=prefix_lens, extend_lens_cpu=extend_lens,
             decode_only=decode_only)
 

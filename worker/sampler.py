@@ -20,6 +20,11 @@ unseeded rows share the sampler's own generator.
 
 Logprobs are always those of the model's raw distribution ``log_softmax(logits)``, before any
 step above, as SGLang reports them.
+
+On a GPU a sampling step never waits for the device: every decision (which filters run, how
+many candidates to rank) is taken from the host-side parameters, and host values reach the
+device through non-blocking copies (a blocking one synchronises the stream, that is, waits for
+the whole forward pass queued before it, and overlap scheduling loses its head start).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch
 
 from .forward_batch import ForwardBatch, ForwardOutput
 from .sampling_params import SamplingParams
-from .vocab_mask import apply_vocab_mask_
+from .vocab_mask import apply_vocab_mask_, check_vocab_mask
 
 _NEG_INF = float("-inf")
 _MASK64 = (1 << 64) - 1
@@ -39,6 +44,13 @@ TOP_CANDIDATES = 1024  # tokens ranked before falling back to a full-vocabulary 
 
 
 # ---------------------------------------------------------------- pure helpers (reusable)
+
+def on_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host ``values`` (a list or CPU tensor) as a tensor on ``device`` without a stream sync.
+    A host-to-device copy from pageable memory is staged by the driver before the call
+    returns, so the non-blocking copy is safe for the host buffer."""
+    return torch.as_tensor(values, dtype=dtype).to(device, non_blocking=True)
+
 
 def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
     """Logprob of ``target_ids[n]`` under ``log_softmax(logits[n])``: [N, V], [N] -> [N] float32."""
@@ -64,7 +76,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[int],
     only, OpenAI style); see the module docstring for the exact formulas.
     """
     vocab, device = logits.shape[1], logits.device
-    sub = logits[rows]  # a copy, written back at the end
+    row_index = on_device(rows, device)
+    sub = logits[row_index]  # a copy, written back at the end
     rep_r, rep_t, cnt_r, cnt_t = [], [], [], []
     for r, (prompt, output) in enumerate(histories):
         if repetition[r] != 1.0:
@@ -79,77 +92,96 @@ def apply_penalties(logits: torch.Tensor, rows: list[int],
             raise ValueError(f"penalty_history: token ids must be in [0, {vocab})")
     if rep_t:
         seen = torch.zeros_like(sub, dtype=torch.bool)
-        seen[torch.tensor(rep_r, device=device), torch.tensor(rep_t, device=device)] = True
-        pen = torch.tensor(repetition, device=device, dtype=sub.dtype).unsqueeze(1)
+        seen[on_device(rep_r, device), on_device(rep_t, device)] = True
+        pen = on_device(repetition, device, sub.dtype).unsqueeze(1)
         sub = torch.where(seen, torch.where(sub > 0, sub / pen, sub * pen), sub)
     if cnt_t:
         counts = torch.zeros_like(sub)
-        counts.index_put_((torch.tensor(cnt_r, device=device), torch.tensor(cnt_t, device=device)),
+        counts.index_put_((on_device(cnt_r, device), on_device(cnt_t, device)),
                           torch.ones(len(cnt_t), device=device), accumulate=True)
-        freq = torch.tensor(frequency, device=device, dtype=sub.dtype).unsqueeze(1)
-        pres = torch.tensor(presence, device=device, dtype=sub.dtype).unsqueeze(1)
+        freq = on_device(frequency, device, sub.dtype).unsqueeze(1)
+        pres = on_device(presence, device, sub.dtype).unsqueeze(1)
         sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
-    logits[rows] = sub
+    logits[row_index] = sub
 
 
-def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, temperature, top_k, top_p, min_p,
+                  full_sort: bool | None = None) -> torch.Tensor:
     """Temperature-scale [S, V] logits and set tokens outside top-k / top-p / min-p to -inf.
 
-    Per-row vectors [S]: top_k <= 0 means off, top_p >= 1 off, min_p 0 off. Top-p keeps the
-    shortest most-likely prefix whose mass (after top-k, renormalised) reaches top_p. Min-p drops
-    tokens with probability below ``min_p * max probability``. Returns a new tensor.
+    Per-row host values [S] (lists or CPU tensors; what filters run is decided from them, not
+    from the device): top_k <= 0 means off, top_p >= 1 off, min_p 0 off. Top-p keeps the
+    shortest most-likely prefix whose mass (after top-k, renormalised) reaches top_p. Min-p
+    drops tokens with probability below ``min_p * max probability``. ``full_sort`` (see
+    ``_top_k_top_p``): rows with top-p but no top-k sort the whole vocabulary, rather than
+    rank the best candidates and check on the device whether they sufficed (None: on any
+    device but the CPU). Returns a new tensor.
     """
-    x = logits / temperature.unsqueeze(1)
-    vocab = x.shape[1]
-    use_k = (top_k > 0) & (top_k < vocab)
-    use_p = top_p < 1.0
-    if bool(use_k.any()) or bool(use_p.any()):
-        x = _top_k_top_p(x, use_k, torch.where(use_k, top_k, vocab), use_p, top_p)
-    if bool((min_p > 0).any()):
+    device, vocab = logits.device, logits.shape[1]
+    temperature, top_p, min_p = (_host_list(v, float) for v in (temperature, top_p, min_p))
+    use_k = [0 < k < vocab for k in _host_list(top_k, int)]
+    k = [k if use else vocab for k, use in zip(_host_list(top_k, int), use_k)]
+    use_p = [p < 1.0 for p in top_p]
+    x = logits / on_device(temperature, device).unsqueeze(1)
+    if any(use_k) or any(use_p):
+        full_sort = device.type != "cpu" if full_sort is None else full_sort
+        x = _top_k_top_p(x, use_k, k, use_p, top_p, full_sort)
+    if any(p > 0 for p in min_p):
         # Renormalising does not change ratios to the max, so min-p can use these probs.
         probs = x.softmax(dim=-1)
-        floor = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1).to(probs.dtype)
+        floor = (probs.max(dim=-1, keepdim=True).values
+                 * on_device(min_p, device, probs.dtype).unsqueeze(1))
         x = x.masked_fill(probs < floor, _NEG_INF)
     return x
 
 
-def _top_k_top_p(x: torch.Tensor, use_k: torch.Tensor, k: torch.Tensor, use_p: torch.Tensor,
-                 top_p: torch.Tensor) -> torch.Tensor:
+def _host_list(values, kind) -> list:
+    return [kind(v) for v in (values.tolist() if isinstance(values, torch.Tensor) else values)]
+
+
+def _top_k_top_p(x: torch.Tensor, use_k: list[bool], k: list[int], use_p: list[bool],
+                 top_p: list[float], full_sort: bool) -> torch.Tensor:
     """The top-k and top-p part of ``filter_logits``, on the tokens ranked by one sort.
 
-    A full sort of the vocabulary is slow on CPU, so the ranking first covers only the best
-    ``m`` tokens (``topk``), enough when every top-k fits in ``m`` and every top-p-only row's
-    nucleus lies inside them (their mass reaches top_p); otherwise it sorts everything.
+    The ranking covers the best ``m`` tokens (``topk``): the largest top-k when every row
+    that filters has one. A row with top-p alone needs its nucleus ranked, of unknown size:
+    a full sort of the vocabulary is slow on the CPU, so there (``full_sort`` False) the best
+    TOP_CANDIDATES are ranked and everything is sorted only if some nucleus spills past them
+    (their mass stays below top_p). That check reads the device; on a GPU the sort is cheap
+    and waiting is not, so there (``full_sort``) such a batch sorts everything at once.
     ``k`` [S] holds each row's top-k, ``vocab`` where top-k is off.
     """
-    vocab = x.shape[1]
+    vocab, device = x.shape[1], x.device
     probs = x.softmax(dim=-1)
-    p_only = use_p & ~use_k
-    m = int(k[use_k].max()) if bool(use_k.any()) else 0
-    if bool(p_only.any()):
-        m = max(m, TOP_CANDIDATES)
+    p_only = [p and not use for p, use in zip(use_p, use_k)]
+    m = max((n for n, use in zip(k, use_k) if use), default=0)
+    if any(p_only):
+        m = vocab if full_sort else max(m, TOP_CANDIDATES)
     m = min(m, vocab)
     if m < vocab:
         ranked, order = x.topk(m, dim=-1)
-        if bool(p_only.any()):
-            mass = probs.gather(1, order).sum(dim=-1)
-            if bool((mass < top_p)[p_only].any()):
+        if any(p_only):
+            short = probs.gather(1, order).sum(dim=-1) < on_device(top_p, device)
+            if bool((short & on_device(p_only, device)).any()):
                 m = vocab
     if m == vocab:  # stable: ties keep the lower token id first
         ranked, order = x.sort(dim=-1, descending=True, stable=True)
-    pos = torch.arange(m, device=x.device)
-    ranked = ranked.masked_fill(pos >= k.unsqueeze(1), _NEG_INF)
-    if bool(use_p.any()):
-        p_ranked = probs.gather(1, order).masked_fill(pos >= k.unsqueeze(1), 0.0)
+    pos = torch.arange(m, device=device)
+    beyond_k = pos >= on_device(k, device).unsqueeze(1)
+    ranked = ranked.masked_fill(beyond_k, _NEG_INF)
+    if any(use_p):
+        p_ranked = probs.gather(1, order).masked_fill(beyond_k, 0.0)
         # Renormalise over the top-k survivors; rows without top-k keep the full-vocab mass.
-        p_ranked = p_ranked / torch.where(use_k, p_ranked.sum(dim=-1), 1.0).unsqueeze(1)
+        p_ranked = p_ranked / torch.where(on_device(use_k, device), p_ranked.sum(dim=-1),
+                                          1.0).unsqueeze(1)
         mass_before = p_ranked.cumsum(dim=-1) - p_ranked
-        p = torch.where(use_p, top_p, math.inf).to(p_ranked.dtype)
+        p = on_device([t if use else math.inf for t, use in zip(top_p, use_p)], device,
+                      p_ranked.dtype)
         ranked = ranked.masked_fill(mass_before >= p.unsqueeze(1), _NEG_INF)  # top token stays
     filtered = torch.full_like(x, _NEG_INF).scatter_(1, order, ranked)
     # Rows without top-k or top-p were ranked only to share the batch's tensors: keep them whole.
-    return torch.where((use_k | use_p).unsqueeze(1), filtered, x)
+    untouched = on_device([not (a or b) for a, b in zip(use_k, use_p)], device)
+    return torch.where(untouched.unsqueeze(1), x, filtered)
 
 
 def seed_for_step(seed: int, step: int) -> int:
@@ -168,15 +200,18 @@ class Sampler:
 
     ``eos_token_ids``: the model's EOS ids, blocked while a request is below min_new_tokens.
     ``seed``: seeds the generator shared by unseeded requests (None: nondeterministic).
+    ``full_sort``: see ``filter_logits`` (None: by device).
     """
 
-    def __init__(self, eos_token_ids: Iterable[int] | int | None = None, seed: int | None = None):
+    def __init__(self, eos_token_ids: Iterable[int] | int | None = None, seed: int | None = None,
+                 full_sort: bool | None = None):
         if eos_token_ids is None:
             eos_token_ids = []
         elif isinstance(eos_token_ids, int):
             eos_token_ids = [eos_token_ids]
         self.eos_token_ids = sorted({int(t) for t in eos_token_ids})
         self._seed = seed
+        self.full_sort = full_sort
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, batch: ForwardBatch) -> ForwardOutput:
@@ -198,9 +233,9 @@ class Sampler:
             else:
                 next_ids = adjusted.argmax(dim=-1)
                 if sample_rows:
-                    next_ids[sample_rows] = self._sample(adjusted[sample_rows],
-                                                         [params[i] for i in sample_rows],
-                                                         [out_lens[i] for i in sample_rows])
+                    rows = on_device(sample_rows, logits.device)
+                    next_ids[rows] = self._sample(adjusted[rows], [params[i] for i in sample_rows],
+                                                  [out_lens[i] for i in sample_rows])
         out = ForwardOutput(next_token_ids=next_ids)
         if batch.return_logprob is not None and bool(batch.return_logprob.any()):
             self._fill_logprobs(out, logits, batch)
@@ -213,10 +248,8 @@ class Sampler:
         batch_size, vocab = x.shape
         device = x.device
         if batch.vocab_mask is not None:
-            if batch.vocab_mask.shape[0] != batch_size:
-                raise ValueError(f"vocab_mask: expected {batch_size} rows, "
-                                 f"got {batch.vocab_mask.shape[0]}")
-            apply_vocab_mask_(x, batch.vocab_mask.to(device))
+            check_vocab_mask(batch.vocab_mask, batch_size, vocab)  # on the host
+            apply_vocab_mask_(x, batch.vocab_mask.to(device, non_blocking=True), checked=True)
 
         bias_r, bias_t, bias_v = [], [], []
         for i, p in enumerate(params):
@@ -227,8 +260,8 @@ class Sampler:
         if bias_t:
             if not (0 <= min(bias_t) and max(bias_t) < vocab):
                 raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
-            x.index_put_((torch.tensor(bias_r, device=device), torch.tensor(bias_t, device=device)),
-                         torch.tensor(bias_v, device=device), accumulate=True)
+            x.index_put_((on_device(bias_r, device), on_device(bias_t, device)),
+                         on_device(bias_v, device), accumulate=True)
 
         pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
         if pen_rows:
@@ -261,15 +294,15 @@ class Sampler:
                 toks += stops
         if not toks:
             return
-        index = (torch.tensor(rows, device=device), torch.tensor(toks, device=device))
+        index = (on_device(rows, device), on_device(toks, device))
         saved = x[index]
         x[index] = _NEG_INF
         row_ids = sorted(set(rows))
-        dead = torch.isneginf(x[row_ids]).all(dim=-1)
-        if bool(dead.any()):
-            dead_rows = {row_ids[j] for j in dead.nonzero().flatten().tolist()}
-            keep = torch.tensor([r in dead_rows for r in rows], device=device)
-            x[index] = torch.where(keep, saved, x[index])
+        dead = torch.isneginf(x[on_device(row_ids, device)]).all(dim=-1)  # [len(row_ids)]
+        # put back the stop tokens of dead rows; decided on the device, so no sync
+        position = {r: j for j, r in enumerate(row_ids)}
+        entry_row = on_device([position[r] for r in rows], device)
+        x[index] = torch.where(dead[entry_row], saved, _NEG_INF)
 
     def _needs_adjust(self, params: list[SamplingParams], batch: ForwardBatch,
                       out_lens: list[int]) -> bool:
@@ -299,11 +332,8 @@ class Sampler:
         """Draw one token per row of adjusted logits x [S, V] (rows are non-greedy)."""
         device = x.device
         filtered = filter_logits(
-            x,
-            torch.tensor([float(p.temperature) for p in params], device=device),
-            torch.tensor([int(p.top_k) for p in params], device=device),
-            torch.tensor([float(p.top_p) for p in params], device=device),
-            torch.tensor([float(p.min_p) for p in params], device=device))
+            x, [p.temperature for p in params], [p.top_k for p in params],
+            [p.top_p for p in params], [p.min_p for p in params], self.full_sort)
         # Exponential race: argmax(logit - log E), E ~ Exp(1), is a draw from softmax(logit).
         # E = -log U with U uniform, because torch's exponential_ is several times slower.
         uniform = torch.empty_like(filtered)
@@ -311,8 +341,8 @@ class Sampler:
         if len(unseeded) == len(params):
             uniform.uniform_(generator=self._generator(device))
         elif unseeded:
-            uniform[unseeded] = torch.rand(len(unseeded), x.shape[1], device=device,
-                                           generator=self._generator(device))
+            uniform[on_device(unseeded, device)] = torch.rand(
+                len(unseeded), x.shape[1], device=device, generator=self._generator(device))
         for r, p in enumerate(params):
             if p.seed is not None:
                 gen = torch.Generator(device=device)

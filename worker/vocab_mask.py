@@ -23,28 +23,39 @@ def unpack_vocab_mask(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.reshape(mask.shape[0], words * 32)[:, :vocab_size].bool()
 
 
-def apply_vocab_mask_(logits: torch.Tensor, mask: torch.Tensor) -> None:
-    """Set ``logits[b, t] = -inf`` where ``mask`` (xgrammar bitmask, see ``unpack_vocab_mask``)
-    disallows token t. Mutates ``logits`` (float32 [B, V], contiguous). A row that allows no
-    token is a ValueError. On CUDA the Triton kernel in ``kernels/sampling.py`` does it when
-    triton is installed; elsewhere each mask byte looks up its 8 penalties (0 or -inf) in a
-    256-row table and one add applies them: 4x faster on CPU than xgrammar's own routine and
-    20x faster than unpacking the bits with shifts."""
-    batch, vocab = logits.shape
+def check_vocab_mask(mask: torch.Tensor, batch: int, vocab: int) -> None:
+    """Raise ValueError unless ``mask`` is an xgrammar bitmask for ``batch`` rows of ``vocab``
+    tokens in which every row allows some token. Reads the mask with numpy on the host, so the
+    sampler checks the scheduler's mask before its (non-blocking) copy to the device; a device
+    mask is copied here first."""
     words, rest = divmod(vocab, 32)
     if mask.dim() != 2 or mask.shape[0] != batch or mask.shape[1] < words + (rest > 0):
         raise ValueError(f"vocab_mask: expected shape [{batch}, >= {math.ceil(vocab / 32)}] for "
                          f"vocab size {vocab}, got {list(mask.shape)}")
-    any_allowed = (mask[:, :words] != 0).any(dim=-1)
+    host = mask.cpu().numpy()
+    any_allowed = (host[:, :words] != 0).any(axis=-1)
     if rest:
-        any_allowed |= (mask[:, words] & ((1 << rest) - 1)) != 0
-    if not bool(any_allowed.all()):
-        row = int((~any_allowed).nonzero()[0])
-        raise ValueError(f"vocab_mask: row {row} allows no token")
+        any_allowed |= (host[:, words] & ((1 << rest) - 1)) != 0
+    if not any_allowed.all():
+        raise ValueError(f"vocab_mask: row {int((~any_allowed).argmax())} allows no token")
+
+
+def apply_vocab_mask_(logits: torch.Tensor, mask: torch.Tensor, checked: bool = False) -> None:
+    """Set ``logits[b, t] = -inf`` where ``mask`` (xgrammar bitmask, see ``unpack_vocab_mask``)
+    disallows token t. Mutates ``logits`` (float32 [B, V], contiguous). A row that allows no
+    token is a ValueError (``checked``: the caller ran ``check_vocab_mask`` already). On CUDA
+    the Triton kernel in ``kernels/sampling.py`` does it when triton is installed; elsewhere
+    each mask byte looks up its 8 penalties (0 or -inf) in a 256-row table and one add applies
+    them: 4x faster on CPU than xgrammar's own routine and 20x faster than unpacking the bits
+    with shifts."""
+    batch, vocab = logits.shape
+    if not checked:
+        check_vocab_mask(mask, batch, vocab)
     kernel = _triton_bitmask() if logits.is_cuda else None
     if kernel is not None:
         kernel(logits, mask.contiguous())
         return
+    words, rest = divmod(vocab, 32)
     needed = mask[:, : words + (rest > 0)].contiguous()
     table = _byte_penalties(logits.device, logits.dtype)
     # little-endian: byte k of word w holds tokens 32w + 8k .. 32w + 8k + 7, low bit first
