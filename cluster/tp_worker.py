@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..worker.forward_batch import ForwardBatch, ForwardOutput, pack_batch, unpack_batch
+from ..worker.host_copy import to_device
 from ..worker.model_runner import ModelRunner, RunnerConfig
 
 
@@ -50,14 +51,14 @@ class BatchChannel:
         payload = pack_batch(batch) if batch is not None else torch.empty(0, dtype=torch.uint8)
         n = payload.numel()
         head = min(n, self.capacity - self.HEADER)
-        # Non-blocking host-to-device copies (the driver stages pageable memory at once): a
-        # blocking one would wait for this GPU's queued forward before the broadcast.
-        self.buf[:self.HEADER].copy_(torch.tensor([n], dtype=torch.int64).view(torch.uint8),
-                                     non_blocking=True)
-        self.buf[self.HEADER:self.HEADER + head].copy_(payload[:head], non_blocking=True)
+        # to_device never waits for the GPU: a blocking copy would hold the broadcast until
+        # this rank's queued forward has finished
+        message = torch.cat([torch.tensor([n], dtype=torch.int64).view(torch.uint8),
+                             payload[:head]])
+        self.buf[:message.numel()].copy_(to_device(message, self.device))
         dist.broadcast(self.buf, src=0)
         if n > head:
-            dist.broadcast(payload[head:].to(self.device, non_blocking=True), src=0)
+            dist.broadcast(to_device(payload[head:], self.device), src=0)
 
     def recv(self) -> ForwardBatch | None:
         """Peers: wait for rank 0's next message; None for the stop message."""

@@ -16,6 +16,7 @@ import torch
 from ..kernels import pick_attention_backend, pick_layer_ops
 from .attention import AttentionMetadata, KVCache, create_attention_backend
 from .forward_batch import ForwardBatch, ForwardOutput
+from .host_copy import to_device
 from .host_pool import HostKVPool, host_pool_tokens
 from .loader import load_weights
 from .model_config import ModelConfig
@@ -213,7 +214,7 @@ class ModelRunner:
         if not bool((input_ids < 0).any()):
             return self._to_device(input_ids)
         self.check_future_refs(input_ids)
-        return self.resolve_on_device(input_ids.to(self.device, copy=True, non_blocking=True))
+        return self.resolve_on_device(self._to_device(input_ids.clone()))
 
     def check_future_refs(self, input_ids: torch.Tensor) -> None:
         """Raise if a future reference names a row with no sampled token yet. Reads the host
@@ -237,11 +238,7 @@ class ModelRunner:
         self.future_ready[rows] = True
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """A host tensor on this rank's device without a stream sync: a blocking copy would
-        wait for the forward queued before it (under overlap scheduling, the previous batch),
-        leaving the GPU idle while this batch is prepared. Pageable host memory is staged by
-        the driver before the call returns, so the source may be reused at once."""
-        return host.to(self.device, non_blocking=True)
+        return to_device(host, self.device)  # never waits for the queued forward
 
     def _prepare_slots(self, batch: ForwardBatch) -> AttentionMetadata:
         table, to_device = self.kv.req_to_token, self._to_device

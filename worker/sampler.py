@@ -23,8 +23,8 @@ step above, as SGLang reports them.
 
 On a GPU a sampling step never waits for the device: every decision (which filters run, how
 many candidates to rank) is taken from the host-side parameters, and host values reach the
-device through non-blocking copies (a blocking one synchronises the stream, that is, waits for
-the whole forward pass queued before it, and overlap scheduling loses its head start).
+device through ``host_copy.to_device`` (a blocking copy would wait for the whole forward pass
+queued before it, and overlap scheduling would lose its head start).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from typing import Iterable
 import torch
 
 from .forward_batch import ForwardBatch, ForwardOutput
+from .host_copy import to_device
 from .sampling_params import SamplingParams
 from .vocab_mask import apply_vocab_mask_, check_vocab_mask
 
@@ -44,13 +45,6 @@ TOP_CANDIDATES = 1024  # tokens ranked before falling back to a full-vocabulary 
 
 
 # ---------------------------------------------------------------- pure helpers (reusable)
-
-def on_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Host ``values`` (a list or CPU tensor) as a tensor on ``device`` without a stream sync.
-    A host-to-device copy from pageable memory is staged by the driver before the call
-    returns, so the non-blocking copy is safe for the host buffer."""
-    return torch.as_tensor(values, dtype=dtype).to(device, non_blocking=True)
-
 
 def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
     """Logprob of ``target_ids[n]`` under ``log_softmax(logits[n])``: [N, V], [N] -> [N] float32."""
@@ -76,7 +70,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[int],
     only, OpenAI style); see the module docstring for the exact formulas.
     """
     vocab, device = logits.shape[1], logits.device
-    row_index = on_device(rows, device)
+    row_index = to_device(rows, device)
     sub = logits[row_index]  # a copy, written back at the end
     rep_r, rep_t, cnt_r, cnt_t = [], [], [], []
     for r, (prompt, output) in enumerate(histories):
@@ -92,15 +86,15 @@ def apply_penalties(logits: torch.Tensor, rows: list[int],
             raise ValueError(f"penalty_history: token ids must be in [0, {vocab})")
     if rep_t:
         seen = torch.zeros_like(sub, dtype=torch.bool)
-        seen[on_device(rep_r, device), on_device(rep_t, device)] = True
-        pen = on_device(repetition, device, sub.dtype).unsqueeze(1)
+        seen[to_device(rep_r, device), to_device(rep_t, device)] = True
+        pen = to_device(repetition, device, sub.dtype).unsqueeze(1)
         sub = torch.where(seen, torch.where(sub > 0, sub / pen, sub * pen), sub)
     if cnt_t:
         counts = torch.zeros_like(sub)
-        counts.index_put_((on_device(cnt_r, device), on_device(cnt_t, device)),
+        counts.index_put_((to_device(cnt_r, device), to_device(cnt_t, device)),
                           torch.ones(len(cnt_t), device=device), accumulate=True)
-        freq = on_device(frequency, device, sub.dtype).unsqueeze(1)
-        pres = on_device(presence, device, sub.dtype).unsqueeze(1)
+        freq = to_device(frequency, device, sub.dtype).unsqueeze(1)
+        pres = to_device(presence, device, sub.dtype).unsqueeze(1)
         sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
     logits[row_index] = sub
 
@@ -122,7 +116,7 @@ def filter_logits(logits: torch.Tensor, temperature, top_k, top_p, min_p,
     use_k = [0 < k < vocab for k in _host_list(top_k, int)]
     k = [k if use else vocab for k, use in zip(_host_list(top_k, int), use_k)]
     use_p = [p < 1.0 for p in top_p]
-    x = logits / on_device(temperature, device).unsqueeze(1)
+    x = logits / to_device(temperature, device).unsqueeze(1)
     if any(use_k) or any(use_p):
         full_sort = device.type != "cpu" if full_sort is None else full_sort
         x = _top_k_top_p(x, use_k, k, use_p, top_p, full_sort)
@@ -130,7 +124,7 @@ def filter_logits(logits: torch.Tensor, temperature, top_k, top_p, min_p,
         # Renormalising does not change ratios to the max, so min-p can use these probs.
         probs = x.softmax(dim=-1)
         floor = (probs.max(dim=-1, keepdim=True).values
-                 * on_device(min_p, device, probs.dtype).unsqueeze(1))
+                 * to_device(min_p, device, probs.dtype).unsqueeze(1))
         x = x.masked_fill(probs < floor, _NEG_INF)
     return x
 
@@ -161,26 +155,26 @@ def _top_k_top_p(x: torch.Tensor, use_k: list[bool], k: list[int], use_p: list[b
     if m < vocab:
         ranked, order = x.topk(m, dim=-1)
         if any(p_only):
-            short = probs.gather(1, order).sum(dim=-1) < on_device(top_p, device)
-            if bool((short & on_device(p_only, device)).any()):
+            short = probs.gather(1, order).sum(dim=-1) < to_device(top_p, device)
+            if bool((short & to_device(p_only, device)).any()):
                 m = vocab
     if m == vocab:  # stable: ties keep the lower token id first
         ranked, order = x.sort(dim=-1, descending=True, stable=True)
     pos = torch.arange(m, device=device)
-    beyond_k = pos >= on_device(k, device).unsqueeze(1)
+    beyond_k = pos >= to_device(k, device).unsqueeze(1)
     ranked = ranked.masked_fill(beyond_k, _NEG_INF)
     if any(use_p):
         p_ranked = probs.gather(1, order).masked_fill(beyond_k, 0.0)
         # Renormalise over the top-k survivors; rows without top-k keep the full-vocab mass.
-        p_ranked = p_ranked / torch.where(on_device(use_k, device), p_ranked.sum(dim=-1),
+        p_ranked = p_ranked / torch.where(to_device(use_k, device), p_ranked.sum(dim=-1),
                                           1.0).unsqueeze(1)
         mass_before = p_ranked.cumsum(dim=-1) - p_ranked
-        p = on_device([t if use else math.inf for t, use in zip(top_p, use_p)], device,
+        p = to_device([t if use else math.inf for t, use in zip(top_p, use_p)], device,
                       p_ranked.dtype)
         ranked = ranked.masked_fill(mass_before >= p.unsqueeze(1), _NEG_INF)  # top token stays
     filtered = torch.full_like(x, _NEG_INF).scatter_(1, order, ranked)
     # Rows without top-k or top-p were ranked only to share the batch's tensors: keep them whole.
-    untouched = on_device([not (a or b) for a, b in zip(use_k, use_p)], device)
+    untouched = to_device([not (a or b) for a, b in zip(use_k, use_p)], device)
     return torch.where(untouched.unsqueeze(1), x, filtered)
 
 
@@ -233,7 +227,7 @@ class Sampler:
             else:
                 next_ids = adjusted.argmax(dim=-1)
                 if sample_rows:
-                    rows = on_device(sample_rows, logits.device)
+                    rows = to_device(sample_rows, logits.device)
                     next_ids[rows] = self._sample(adjusted[rows], [params[i] for i in sample_rows],
                                                   [out_lens[i] for i in sample_rows])
         out = ForwardOutput(next_token_ids=next_ids)
@@ -249,7 +243,8 @@ class Sampler:
         device = x.device
         if batch.vocab_mask is not None:
             check_vocab_mask(batch.vocab_mask, batch_size, vocab)  # on the host
-            apply_vocab_mask_(x, batch.vocab_mask.to(device, non_blocking=True), checked=True)
+            apply_vocab_mask_(x, to_device(batch.vocab_mask, device),
+                              checked=True)
 
         bias_r, bias_t, bias_v = [], [], []
         for i, p in enumerate(params):
@@ -260,8 +255,8 @@ class Sampler:
         if bias_t:
             if not (0 <= min(bias_t) and max(bias_t) < vocab):
                 raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
-            x.index_put_((on_device(bias_r, device), on_device(bias_t, device)),
-                         on_device(bias_v, device), accumulate=True)
+            x.index_put_((to_device(bias_r, device), to_device(bias_t, device)),
+                         to_device(bias_v, device), accumulate=True)
 
         pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
         if pen_rows:
@@ -294,14 +289,14 @@ class Sampler:
                 toks += stops
         if not toks:
             return
-        index = (on_device(rows, device), on_device(toks, device))
+        index = (to_device(rows, device), to_device(toks, device))
         saved = x[index]
         x[index] = _NEG_INF
         row_ids = sorted(set(rows))
-        dead = torch.isneginf(x[on_device(row_ids, device)]).all(dim=-1)  # [len(row_ids)]
+        dead = torch.isneginf(x[to_device(row_ids, device)]).all(dim=-1)  # [len(row_ids)]
         # put back the stop tokens of dead rows; decided on the device, so no sync
         position = {r: j for j, r in enumerate(row_ids)}
-        entry_row = on_device([position[r] for r in rows], device)
+        entry_row = to_device([position[r] for r in rows], device)
         x[index] = torch.where(dead[entry_row], saved, _NEG_INF)
 
     def _needs_adjust(self, params: list[SamplingParams], batch: ForwardBatch,
@@ -341,7 +336,7 @@ class Sampler:
         if len(unseeded) == len(params):
             uniform.uniform_(generator=self._generator(device))
         elif unseeded:
-            uniform[on_device(unseeded, device)] = torch.rand(
+            uniform[to_device(unseeded, device)] = torch.rand(
                 len(unseeded), x.shape[1], device=device, generator=self._generator(device))
         for r, p in enumerate(params):
             if p.seed is not None:
