@@ -367,6 +367,16 @@ def check_lengths(prompt_len: int, max_new_tokens: int, context_len: int, prompt
                           param=max_field)
 
 
+def check_text(text: str, field_name: str) -> None:
+    """400 when ``text`` cannot be encoded as UTF-8: JSON may escape a lone UTF-16 surrogate
+    ("\\ud800") that json.loads keeps, and the tokenizer then fails with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad_request(f"{field_name}: not valid Unicode text (a lone surrogate at character "
+                          f"{e.start})", param=field_name) from None
+
+
 def check_token_ids(ids: list[int], vocab_size: int, field_name: str) -> None:
     if any(t < 0 or t >= vocab_size for t in ids):
         raise bad_request(f"{field_name}: token ids must be in [0, {vocab_size})",

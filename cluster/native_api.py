@@ -22,8 +22,8 @@ from ..worker.sampling_params import SamplingParams
 from .detokenizer import token_texts
 from .engine_protocol import GenerateRequest
 from .generation import (SSE_DONE, RequestState, ServingContext, Session, bad_request,
-                         check_lengths, check_sampling_params, check_token_ids, expand_copies,
-                         new_rid, run_all, sse)
+                         check_lengths, check_sampling_params, check_text, check_token_ids,
+                         expand_copies, new_rid, run_all, sse)
 
 IntOrList = int | list[int] | None
 BoolOrList = bool | list[bool] | None
@@ -66,6 +66,8 @@ def _prompts(body: GenerateReqInput, ctx: ServingContext) -> tuple[list[list[int
         texts = body.text if isinstance(body.text, list) else [body.text]
         if not texts or any(t == "" for t in texts):
             raise bad_request("text: the prompt is empty", param="text")
+        for t in texts:
+            check_text(t, "text")
         return [ctx.tokenizer.encode(t) for t in texts], isinstance(body.text, list), "text"
     ids = body.input_ids
     batch = bool(ids) and isinstance(ids[0], list)

@@ -19,8 +19,8 @@ from ..worker.sampling_params import SamplingParams
 from .detokenizer import token_texts
 from .engine_protocol import GenerateRequest
 from .generation import (APIError, RequestState, ServingContext, bad_request,
-                         check_lengths, check_sampling_params, check_token_ids, expand_copies,
-                         new_rid)
+                         check_lengths, check_sampling_params, check_text, check_token_ids,
+                         expand_copies, new_rid)
 
 # SamplingParams name -> the OpenAI field a client wrote
 RENAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
@@ -191,6 +191,7 @@ def completion_requests(body: CompletionRequest, ctx: ServingContext
         if isinstance(prompt, str):
             if prompt == "":
                 raise bad_request("prompt: the prompt is empty", param="prompt")
+            check_text(prompt, "prompt")
             ids = ctx.tokenizer.encode(prompt)
         else:
             ids = list(prompt)
@@ -217,6 +218,8 @@ def chat_prompt_ids(body: ChatCompletionRequest, tokenizer) -> list[int]:
                 raise bad_request(f"messages[{i}].content: only text parts are supported",
                                   param="messages")
             content = "".join(part.text for part in content)
+        check_text(m.role, f"messages[{i}].role")
+        check_text(content or "", f"messages[{i}].content")
         messages.append({"role": m.role, "content": content or ""})
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False,

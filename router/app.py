@@ -1,7 +1,8 @@
 """The router's HTTP app (Starlette): SGLang's API in front, workers behind.
 
 Generation routes (/generate, /v1/completions, /v1/chat/completions) go through admission control
-and the routing policy; info routes go to any available worker; /flush_cache goes to all of them.
+and the routing policy; info routes go to any available worker; /flush_cache and /abort_request
+go to all of them.
 /workers manages the worker set at run time, /metrics exposes Prometheus metrics, /health says
 whether any worker can take traffic. No torch, and no other radixray folder, is imported here.
 """
@@ -28,7 +29,7 @@ from .config import RouterConfig
 from .health import HealthChecker
 from .metrics import RouterMetrics
 from .policies import RequestInfo, make_policy
-from .proxy import Proxy, error_response
+from .proxy import Proxy, downstream_headers, error_response, upstream_headers
 from .request import BadRequest, request_text, routing_key
 from .tree import ApproxRadixTree
 from .workers import WorkerRegistry, normalize_url
@@ -38,6 +39,30 @@ log = logging.getLogger("radixray.router")
 GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 INFO_ROUTES = ("/get_model_info", "/model_info", "/get_server_info", "/server_info",
                "/v1/models", "/health_generate")
+
+
+async def until_disconnect(request: Request, coro):
+    """Await ``coro``, or cancel it and return None if the client disconnects first.
+
+    Starlette does not cancel a handler whose client went away, so without this a client that
+    hangs up on a non-streamed request (or on a stream before its first byte) leaves the
+    upstream request running, and the worker generating, to the end. Cancelling the forward
+    closes the upstream connection, which makes the worker abort the request and free its KV.
+    """
+
+    async def watch():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watcher = asyncio.ensure_future(coro), asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    return None if work.cancelled() else work.result()
 
 
 class Router:
@@ -145,11 +170,16 @@ class Router:
             return self._reject(route, 429, str(exc), finish)
         admitted = True
         try:
-            return await self.proxy.forward(route, raw, info, request.headers,
-                                            body.get("stream") is True, finish)
+            forward = self.proxy.forward(route, raw, info, request.headers,
+                                         body.get("stream") is True, finish)
+            answer = await until_disconnect(request, forward)
         except BaseException:
             finish(499)  # cancelled or crashed: free the slot
             raise
+        if answer is None:  # the client left before the answer: forward was cancelled
+            finish(499)
+            return Response(status_code=499)
+        return answer
 
     @staticmethod
     def _reject(route, status, message, finish) -> Response:
@@ -173,23 +203,55 @@ class Router:
         if not workers:
             return error_response("/flush_cache", 503, "no healthy worker")
 
+        # The client's headers go along: workers started with --api-key check Authorization.
+        headers = upstream_headers(request.headers)
+
         async def flush(worker):
             try:
-                resp = await self.client.post(worker.url + "/flush_cache")
+                resp = await self.client.post(worker.url + "/flush_cache", headers=headers)
                 return worker, resp.status_code, resp.text
             except httpx.HTTPError as exc:
                 return worker, 502, f"{type(exc).__name__}: {exc}"
 
         results = await asyncio.gather(*(flush(w) for w in workers))
-        failed = []
+        failed, unauthorized = [], False
         for worker, status, text in results:
             if status == 200:
                 self.tree.remove_tenant(worker.url)
             else:
+                unauthorized |= status == 401
                 failed.append(f"{worker.url}: HTTP {status} {text.strip()[:200]}")
         if failed:
-            return PlainTextResponse("flush failed on " + "; ".join(failed), status_code=400)
+            return PlainTextResponse("flush failed on " + "; ".join(failed),
+                                     status_code=401 if unauthorized else 400)
         return PlainTextResponse(f"Cache flushed on {len(results)} workers.\n")
+
+    async def abort_request(self, request: Request) -> Response:
+        """Pass the abort to every available worker: the router does not track which worker
+        holds a rid, and a worker that does not know it has nothing to abort."""
+        raw = await request.body()
+        workers = self.registry.available()
+        if not workers:
+            return error_response("/abort_request", 503, "no healthy worker")
+
+        async def abort(worker):
+            try:
+                resp = await self.client.post(worker.url + "/abort_request", content=raw,
+                                              headers=upstream_headers(request.headers))
+                return resp.status_code, resp.content, resp.headers
+            except httpx.HTTPError as exc:
+                return 502, f"{worker.url}: {type(exc).__name__}: {exc}".encode(), {}
+
+        results = await asyncio.gather(*(abort(w) for w in workers))
+        failed = next((r for r in results if r[0] != 200), None)
+        if failed is not None:  # a bad body is refused alike by every worker: pass one answer on
+            status, content, headers = failed
+            return Response(content, status, downstream_headers(headers))
+        aborted = set()
+        for _, content, _ in results:
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                aborted.update(json.loads(content).get("aborted") or [])
+        return JSONResponse({"aborted": sorted(aborted)})
 
     async def list_workers(self, request: Request) -> Response:
         return JSONResponse({"policy": self.policy.name, "workers": [
@@ -248,6 +310,7 @@ def build_app(config: RouterConfig, router: Router | None = None) -> Starlette:
     routes += [
         Route("/health", router.health, methods=["GET"]),
         Route("/flush_cache", router.flush_cache, methods=["POST"]),
+        Route("/abort_request", router.abort_request, methods=["POST"]),
         Route("/workers", router.list_workers, methods=["GET"]),
         Route("/workers", router.add_worker, methods=["POST"]),
         Route("/workers/{url:path}", router.delete_worker, methods=["DELETE"]),

@@ -1,7 +1,7 @@
 """A fake SGLang-compatible worker for tests and benchmarks (no model, no torch).
 
 It answers /generate, /v1/completions and /v1/chat/completions (plain and streamed), /health,
-/get_model_info, /get_server_info and /flush_cache in the shapes of
+/get_model_info, /get_server_info, /flush_cache and /abort_request in the shapes of
 shared/reference/sglang-contract.md. Its "KV cache" is an exact prefix cache over characters (one
 tenant of the router's own radix tree), so ``cached_tokens`` behaves like an engine's: the
 router's real-hit-rate metric and the benchmarks can be exercised without a model. One character
@@ -9,7 +9,8 @@ counts as one token.
 
 Knobs on the FakeWorker object (tests flip them while it serves): ``fail_status`` answers every
 generation with that status; ``delay`` waits before answering; ``chunk_delay`` paces stream
-chunks; ``health_status`` is what /health returns.
+chunks; ``health_status`` is what /health returns. A client that disconnects during ``delay``
+is counted in ``cancelled_requests``, the way an engine aborts such a request.
 
 ``serve_in_thread(app)`` runs any ASGI app with uvicorn on 127.0.0.1 in a daemon thread;
 ``python -m radixray.router.fake_worker --port 0`` runs one in its own process and prints
@@ -28,7 +29,7 @@ import time
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .request import request_text
@@ -37,16 +38,19 @@ from .tree import ApproxRadixTree
 
 class FakeWorker:
     def __init__(self, name: str = "fake", cache_chars: int = 1 << 20, output_len: int = 8,
-                 delay: float = 0.0, chunk_delay: float = 0.0):
+                 delay: float = 0.0, chunk_delay: float = 0.0, api_key: str | None = None):
         self.name = name
         self.cache = ApproxRadixTree(cache_chars)
         self.output_len = output_len
         self.delay = delay
         self.chunk_delay = chunk_delay
+        self.api_key = api_key  # required by /flush_cache only, like a replica's --api-key
         self.fail_status: int | None = None
         self.health_status = 200
         self.requests = 0  # generation requests received
         self.cancelled_streams = 0  # streams whose client went away before the end
+        self.cancelled_requests = 0  # requests whose client went away during ``delay``
+        self.aborted: list[str] = []  # rids passed to /abort_request
         self.app = self._build()
 
     # The answer is deterministic in the prompt, so a direct and a routed request match byte
@@ -62,14 +66,30 @@ class FakeWorker:
 
     async def _generation(self, request: Request):
         self.requests += 1
-        if self.delay:
-            await asyncio.sleep(self.delay)
+        raw = await request.body()
+        if self.delay and await self._client_left_within(request, self.delay):
+            self.cancelled_requests += 1  # an engine would abort the request here
+            return None, Response(status_code=499)
         if self.fail_status is not None:
             return None, JSONResponse({"error": {"message": f"{self.name} failing on purpose"}},
                                       status_code=self.fail_status)
-        body = json.loads(await request.body())
+        body = json.loads(raw)
         text = request_text(body)
         return (body, text, self._cached(text), self._output(text)), None
+
+    @staticmethod
+    async def _client_left_within(request: Request, seconds: float) -> bool:
+        """Wait ``seconds``; True as soon as the client disconnects (the body already read)."""
+
+        async def gone():
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        try:
+            await asyncio.wait_for(gone(), seconds)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     async def generate(self, request: Request):
         parsed, error = await self._generation(request)
@@ -144,8 +164,19 @@ class FakeWorker:
                              "worker": self.name})
 
     async def flush_cache(self, request: Request):
+        if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
+            return JSONResponse({"error": {"message": "Missing or invalid API key"}},
+                                status_code=401)
         self.cache.clear()
         return PlainTextResponse("Cache flushed.\n")
+
+    async def abort_request(self, request: Request):
+        try:
+            rid = json.loads(await request.body())["rid"]
+        except (ValueError, KeyError, TypeError):
+            return JSONResponse({"error": {"message": "rid: give a request id"}}, status_code=400)
+        self.aborted.append(rid)
+        return JSONResponse({"aborted": [rid]})
 
     def _build(self) -> Starlette:
         return Starlette(routes=[
@@ -157,6 +188,7 @@ class FakeWorker:
             Route("/get_model_info", self.model_info, methods=["GET"]),
             Route("/get_server_info", self.server_info, methods=["GET"]),
             Route("/flush_cache", self.flush_cache, methods=["POST"]),
+            Route("/abort_request", self.abort_request, methods=["POST"]),
         ])
 
 

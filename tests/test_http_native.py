@@ -99,6 +99,10 @@ def test_input_ids_batch_and_null_sampling_values(client, server):
         {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True},
         {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}]}).json()
     assert [o["meta_info"]["completion_tokens"] for o in per] == [2, 4]
+    # an empty stop string is an empty value too: it must not end the output at once
+    empty_stop = client.post("/generate", json={"text": "a", "sampling_params": {
+        "max_new_tokens": 4, "temperature": 0, "ignore_eos": True, "stop": ["", "\x00"]}})
+    assert empty_stop.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
 
 
 def test_select_logprob_layout(client, server, hf_model):

@@ -111,15 +111,33 @@ def test_client_disconnect_cancels_the_upstream_stream(make_cluster):
                                                               "output_len": 100})
     with client.stream("POST", "/generate", json={"text": "long one", "stream": True}) as resp:
         next(resp.iter_raw())
-    deadline = time.monotonic() + 5
-    while fakes[0].cancelled_streams == 0 and time.monotonic() < deadline:
+    assert wait_until(lambda: fakes[0].cancelled_streams == 1, 5)
+    assert_slots_released(router, urls[0])
+
+
+def wait_until(condition, seconds: float) -> bool:
+    """Poll ``condition`` until it holds or ``seconds`` pass; its last value."""
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert fakes[0].cancelled_streams == 1
-    while (router.registry.get(urls[0]).load or router.admission.active) and \
-            time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert router.registry.get(urls[0]).load == 0
-    assert router.admission.active == 0
+    return condition()
+
+
+def assert_slots_released(router, url):
+    """The router's load count and admission slot for a finished or cancelled request."""
+    assert wait_until(lambda: not (router.registry.get(url).load or router.admission.active), 2)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_disconnect_before_the_answer_cancels_the_upstream_request(make_cluster, stream):
+    # The worker takes 3 s to answer; the client gives up after 0.3 s. The router must close
+    # its upstream request at once (so a real worker aborts it and frees its KV), not wait.
+    client, router, fakes, urls = make_cluster(1, worker_kw={"delay": 3.0})
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(client.base_url.join("/generate"), timeout=0.3,
+                   json={"text": "slow one", "stream": stream})
+    assert wait_until(lambda: fakes[0].cancelled_requests == 1, 1.5)
+    assert_slots_released(router, urls[0])
 
 
 def test_no_worker_gives_503_with_a_clear_message(make_cluster):
@@ -212,6 +230,23 @@ def test_info_routes_and_flush_cache(make_cluster):
     assert r.status_code == 200
     assert router.tree.tenants() == []
     assert all(f.cache.tenants() == [] for f in fakes)
+
+
+def test_flush_cache_passes_the_clients_api_key_on(make_cluster):
+    client, router, fakes, urls = make_cluster(2, worker_kw={"api_key": "k"})
+    assert client.post("/flush_cache").status_code == 401
+    r = client.post("/flush_cache", headers={"Authorization": "Bearer k"})
+    assert r.status_code == 200, r.text
+
+
+def test_abort_request_reaches_every_worker(make_cluster):
+    # The router does not know which worker runs a rid, so every worker hears the abort.
+    client, router, fakes, urls = make_cluster(2)
+    r = client.post("/abort_request", json={"rid": "r-1"})
+    assert r.status_code == 200 and r.json() == {"aborted": ["r-1"]}
+    assert [f.aborted for f in fakes] == [["r-1"], ["r-1"]]
+    bad = client.post("/abort_request", content=b"{nope")
+    assert bad.status_code == 400 and "rid" in bad.json()["error"]["message"]
 
 
 def test_health_checks_take_a_worker_out_and_back(make_cluster):

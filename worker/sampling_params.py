@@ -10,6 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 GREEDY_TEMPERATURE = 1e-6  # temperature below this means greedy (argmax)
+# The sampler works on float32 logits, where a masked token is -inf. A temperature that rounds
+# to inf there, a repetition penalty that rounds to 0, or an infinite logit bias turns such a
+# token into NaN (-inf / inf, -inf * 0, -inf + inf), and NaN wins the sampler's argmax: the
+# request gets a token its grammar forbids. These bounds keep every adjusted logit finite.
+FLOAT32_MAX = 3.4028234663852886e38
+MIN_REPETITION_PENALTY = 1e-6  # 1 / penalty stays far from float32 overflow
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range, [-100, 100]
 
 
 @dataclass
@@ -49,6 +56,10 @@ class SamplingParams:
         for key in ("stop", "stop_regex"):
             if isinstance(kwargs.get(key), str):
                 kwargs[key] = [kwargs[key]]
+            if isinstance(kwargs.get(key), list):
+                # An empty stop string is an empty value, not a stop that matches anywhere (the
+                # scheduler would end the output at its first token; the detokenizer ignores it).
+                kwargs[key] = [s for s in kwargs[key] if s != ""]
         if isinstance(kwargs.get("stop_token_ids"), int):
             kwargs["stop_token_ids"] = [kwargs["stop_token_ids"]]
         if kwargs.get("logit_bias"):
@@ -96,8 +107,8 @@ class SamplingParams:
         check(self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
               "must not exceed max_new_tokens")
         check(is_int(self.n) and 1 <= self.n <= 128, "n", "must be an integer in [1, 128]")
-        check(is_num(self.temperature) and self.temperature >= 0, "temperature",
-              "must be a number >= 0")
+        check(is_num(self.temperature) and 0 <= self.temperature <= FLOAT32_MAX, "temperature",
+              "must be a finite number >= 0")
         check(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         check(is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k",
               "must be -1 (off) or a positive integer")
@@ -106,14 +117,21 @@ class SamplingParams:
               "frequency_penalty", "must be in [-2, 2]")
         check(is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
               "presence_penalty", "must be in [-2, 2]")
-        check(is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
-              "repetition_penalty", "must be in (0, 2]")
+        check(is_num(self.repetition_penalty)
+              and MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2,
+              "repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY:g}, 2]")
         check(isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop),
               "stop", "must be a string or a list of strings")
         check(isinstance(self.stop_token_ids, list)
               and all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "must be a list of non-negative integers")
+        check(isinstance(self.stop_regex, list)
+              and all(isinstance(s, str) for s in self.stop_regex),
+              "stop_regex", "must be a string or a list of strings")
         check(self.seed is None or is_int(self.seed), "seed", "must be an integer")
+        check(all(is_num(v) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS
+                  for v in (self.logit_bias or {}).values()),
+              "logit_bias", f"values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         constraints = [k for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None]
         check(len(constraints) <= 1, constraints[-1] if constraints else "regex",
               "at most one of regex, json_schema and ebnf may be given")
