@@ -8,7 +8,8 @@ Two things make that harder than decoding each new token on its own:
   "prefix/read offset" scheme): ``decode(ids[prefix:])`` minus ``decode(ids[prefix:read])``.
 - A stop string may arrive split over several tokens. Text that could still become the start
   of a stop string is held back until it either completes the stop (then it is cut off and the
-  stream ends) or can no longer match (then it is released).
+  stream ends) or can no longer match (then it is released). Stop regexes alike: text that a
+  regex matches partially (up to its end) is held back.
 
 The non-streamed response uses the same object, so the concatenation of the streamed pieces is
 the non-streamed text by construction; for byte-level tokenizers both equal
@@ -17,6 +18,8 @@ the non-streamed text by construction; for byte-level tokenizers both equal
 
 from __future__ import annotations
 
+from ..scheduler.stop import find_stop, regex_holdback
+
 REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -24,15 +27,17 @@ class IncrementalDetokenizer:
     """Turns a growing list of output token ids into released text.
 
     ``add`` and ``finish`` return the newly released text; ``text`` is everything released so
-    far; ``matched_stop`` is the stop string that ended the output (then further ids are
-    ignored).
+    far; ``matched_stop`` is the stop string (or stop regex) that ended the output (then
+    further ids are ignored).
     """
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True,
-                 stop: list[str] | None = None, no_stop_trim: bool = False):
+                 stop: list[str] | None = None, no_stop_trim: bool = False,
+                 stop_regex: list[str] | None = None):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = [s for s in (stop or []) if s]
+        self.stop_regex = list(stop_regex or [])
         self.no_stop_trim = no_stop_trim
         self.ids: list[int] = []
         self.text = ""  # released
@@ -74,30 +79,22 @@ class IncrementalDetokenizer:
     def _release(self, final: bool) -> str:
         sent = len(self.text)
         end = len(self._decoded)
-        found = self._find_stop(sent)
+        # A stop cannot begin before `sent`: any text that could begin one was held back.
+        found = find_stop(self._decoded, sent, self.stop, self.stop_regex)
         if found is not None:
-            pos, stop = found
-            self.matched_stop = stop
-            end = pos + len(stop) if self.no_stop_trim else pos
+            pos, stop_end, self.matched_stop = found
+            end = stop_end if self.no_stop_trim else pos
         elif not final:
             end -= self._holdback(sent)
         piece = self._decoded[sent:end]
         self.text += piece
         return piece
 
-    def _find_stop(self, start: int) -> tuple[int, str] | None:
-        # A stop cannot begin before `start`: any text that could begin one was held back.
-        best = None
-        for stop in self.stop:
-            pos = self._decoded.find(stop, start)
-            if pos >= 0 and (best is None or pos < best[0]):
-                best = (pos, stop)
-        return best
-
     def _holdback(self, start: int) -> int:
-        """Length of the longest unreleased suffix that is a proper prefix of a stop string."""
+        """Length of the longest unreleased suffix that is a proper prefix of a stop string, or
+        that a stop regex matches partially."""
         tail = self._decoded[start:]
-        longest = 0
+        longest = regex_holdback(self._decoded, start, self.stop_regex)
         for stop in self.stop:
             for k in range(min(len(stop) - 1, len(tail)), longest, -1):
                 if tail.endswith(stop[:k]):

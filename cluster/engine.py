@@ -215,7 +215,7 @@ class Engine:
                                               for top in (c.input_top_logprobs or [])]
                 meta["output_top_logprobs"] = [[entry(lp, t) for lp, t in top]
                                                for top in c.output_top_logprobs]
-        return {"text": trim_stop_text(text, reason, sp.no_stop_trim),
+        return {"text": trim_stop_text(text, reason, sp.no_stop_trim, sp.stop_regex),
                 "output_ids": c.output_ids, "meta_info": meta}
 
     def _logprob_entry(self, logprob, token_id) -> list:

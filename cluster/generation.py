@@ -179,7 +179,7 @@ async def run_request(ctx: ServingContext, req: GenerateRequest) -> AsyncIterato
     sp = req.sampling_params
     state = RequestState(req, IncrementalDetokenizer(
         ctx.tokenizer, skip_special_tokens=sp.skip_special_tokens, stop=sp.stop,
-        no_stop_trim=sp.no_stop_trim))
+        no_stop_trim=sp.no_stop_trim, stop_regex=sp.stop_regex))
     stream = ctx.engine.generate(req)
     try:
         while True:

@@ -155,6 +155,7 @@ class ConstrainedDecoding:
     def _may_jump(self, req: Req) -> bool:
         sp = req.sampling_params
         return (self.jump_forward and not req.return_logprob and not sp.stop
+                and not sp.stop_regex
                 and req.to_abort is None and req.remaining_new_tokens() > 1)
 
     def _jump(self, req: Req) -> list[int]:

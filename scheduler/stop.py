@@ -1,19 +1,72 @@
-"""When a request is done: length limits, EOS, stop token ids and stop strings.
+"""When a request is done: length limits, EOS, stop token ids, stop strings and stop regexes.
 
 Stop strings are matched on text, and a stop string may span several tokens, so the check
 decodes the tail of the output: ``max stop-string length + 1`` tokens cover any stop string
-that ends in the newest token, as long as each token decodes to at least one character.
+that ends in the newest token, as long as each token decodes to at least one character. A stop
+regex (``stop_regex``, searched with the ``regex`` module) gets the same window from the
+longest text it can match; one without a bound (``\\d+``, ``.*``) searches the whole output.
 ``trim_stop_text`` removes the matched stop from the text a client sees (unless
 ``no_stop_trim``); the token ids are kept as generated.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Iterable
+
+import regex
+
+try:
+    from re import _parser as sre_parse  # the standard library's regex parser (3.11+)
+except ImportError:  # Python 3.10
+    import sre_parse
 
 from .request import FinishReason, Req
 
 Decode = Callable[[list[int]], str]
+_UNBOUNDED = 1 << 16  # a match width from here on counts as unbounded
+
+
+@functools.lru_cache(maxsize=1024)
+def compile_stop_regex(pattern: str) -> regex.Pattern:
+    return regex.compile(pattern)
+
+
+@functools.lru_cache(maxsize=1024)
+def stop_regex_width(pattern: str) -> int | None:
+    """The most characters a match of ``pattern`` spans; None if unbounded or unknown (syntax
+    only the ``regex`` module reads), and then the whole output is searched."""
+    try:
+        width = sre_parse.parse(pattern).getwidth()[1]
+    except Exception:  # noqa: BLE001 - any parse failure means "unknown"
+        return None
+    return width if width < _UNBOUNDED else None
+
+
+def find_stop(text: str, start: int, stop: Iterable[str],
+              stop_regex: Iterable[str]) -> tuple[int, int, str] | None:
+    """The earliest stop in ``text[start:]`` as (start, end, the stop string or regex), or None."""
+    best = None
+    for s in stop:
+        pos = text.find(s, start)
+        if pos >= 0 and (best is None or pos < best[0]):
+            best = (pos, pos + len(s), s)
+    for pattern in stop_regex:
+        m = compile_stop_regex(pattern).search(text, start)
+        if m is not None and (best is None or m.start() < best[0]):
+            best = (m.start(), m.end(), pattern)
+    return best
+
+
+def regex_holdback(text: str, start: int, stop_regex: Iterable[str]) -> int:
+    """How much of the end of ``text[start:]`` may still grow into a match of a stop regex
+    (its partial match: the ``regex`` module's ``partial=True``), so must not be released."""
+    longest = 0
+    for pattern in stop_regex:
+        m = compile_stop_regex(pattern).search(text, start, partial=True)
+        if m is not None and m.partial:
+            longest = max(longest, len(text) - m.start())
+    return longest
 
 
 class StopChecker:
@@ -36,23 +89,32 @@ class StopChecker:
         last = out[-1]
         if last in sp.stop_token_ids or (not sp.ignore_eos and last in self.eos_token_ids):
             return FinishReason.stop(last)
+        if (sp.stop or sp.stop_regex) and self.decode is None:
+            raise ValueError("stop: stop strings need a tokenizer to decode with")
         if sp.stop:
-            if self.decode is None:
-                raise ValueError("stop: stop strings need a tokenizer to decode with")
-            window = max(len(s) for s in sp.stop) + 1
-            tail = self.decode(out[-window:])
+            tail = self.decode(out[-(max(len(s) for s in sp.stop) + 1):])
             for s in sp.stop:
                 if s in tail:
                     return FinishReason.stop(s)
+        if sp.stop_regex:
+            widths = [stop_regex_width(p) for p in sp.stop_regex]
+            tail = self.decode(out if None in widths else out[-(max(widths) + 1):])
+            for p in sp.stop_regex:
+                if compile_stop_regex(p).search(tail):
+                    return FinishReason.stop(p)
         return None
 
 
-def trim_stop_text(text: str, finish_reason: FinishReason | None, no_stop_trim: bool) -> str:
-    """The output text a client sees: cut just before a matched stop string."""
+def trim_stop_text(text: str, finish_reason: FinishReason | None, no_stop_trim: bool,
+                   stop_regex: Iterable[str] = ()) -> str:
+    """The output text a client sees: cut just before a matched stop string or where the
+    matched stop regex (one of ``stop_regex``) first matches."""
     if no_stop_trim or finish_reason is None or not isinstance(finish_reason.matched, str):
         return text
-    cut = text.find(finish_reason.matched)
-    return text if cut < 0 else text[:cut]
+    matched = finish_reason.matched
+    is_regex = matched in stop_regex
+    found = find_stop(text, 0, () if is_regex else [matched], [matched] if is_regex else ())
+    return text if found is None else text[:found[0]]
 
 
 def visible_output_ids(output_ids: list[int], finish_reason: FinishReason | None,

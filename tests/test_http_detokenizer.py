@@ -79,6 +79,27 @@ def test_stop_strings_are_cut_and_never_leak(tok, text, stop, expected, matched)
         assert detok.matched_stop == matched
 
 
+@pytest.mark.parametrize("text,stop,stop_regex,expected,matched", [
+    ("def foo(): return 42\nclass Bar:", [], [r"\d+"], "def foo(): return ", r"\d+"),
+    # "12", "12." and "12.5" may still become a match: held back, never sent and taken back
+    ("price: 12.5 or 12.50 EUR", [], [r"\d+\.\d\d"], "price: 12.5 or ", r"\d+\.\d\d"),
+    ("one two three", ["three"], [r"t\w+o"], "one ", r"t\w+o"),  # the earliest stop wins
+    ("no digits here", [], [r"\d"], "no digits here", None),
+])
+def test_stop_regexes_are_cut_and_never_leak(tok, text, stop, stop_regex, expected, matched):
+    ids = tok.encode(text, add_special_tokens=False)
+    for seed in range(5):
+        detok = IncrementalDetokenizer(tok, stop=stop, stop_regex=stop_regex)
+        pieces = stream(detok, ids, random.Random(seed))
+        assert "".join(pieces) == expected
+        assert all(expected.startswith("".join(pieces[:i])) for i in range(len(pieces)))
+        assert detok.matched_stop == matched
+    kept = IncrementalDetokenizer(tok, stop_regex=stop_regex, no_stop_trim=True)
+    if matched is not None:  # no_stop_trim: the text ends with the match
+        assert "".join(stream(kept, ids, random.Random(0))).startswith(expected)
+        assert kept.matched_stop == matched and kept.text != expected
+
+
 def test_stop_string_kept_with_no_stop_trim_and_later_ids_ignored(tok):
     ids = tok.encode("alpha beta gamma delta", add_special_tokens=False)
     detok = IncrementalDetokenizer(tok, stop=["gamma"], no_stop_trim=True)

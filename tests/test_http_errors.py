@@ -70,6 +70,10 @@ BAD_INPUTS = [
     ("/v1/completions", b'{"model": "tiny", "prompt": "a", "logit_bias": {"5": NaN}}', 400,
      "logit_bias: values must be numbers in [-100, 100]"),
     ("/generate", {"text": "a", "sampling_params": {"stop_regex": 5}}, 400, "stop_regex"),
+    ("/generate", {"text": "a", "sampling_params": {"stop_regex": "a(b"}}, 400,
+     "stop_regex: 'a(b' is not a valid regular expression"),
+    ("/generate", {"text": "a", "sampling_params": {"stop_regex": ["\\d+", "x*"]}}, 400,
+     "stop_regex: 'x*' matches the empty string"),
     # JSON can escape a lone UTF-16 surrogate; the tokenizer cannot encode it (was a 500)
     ("/generate", b'{"text": ["ok", "a\\ud800"]}', 400, "text: not valid Unicode text"),
     ("/v1/completions", b'{"model": "tiny", "prompt": "a\\udfff"}', 400,

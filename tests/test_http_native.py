@@ -5,6 +5,8 @@ invariant holding."""
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 import torch
@@ -188,6 +190,25 @@ def test_stream_is_cumulative_and_matches_non_streamed(client):
         assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
         if "stop" in params and full["meta_info"]["finish_reason"]["type"] == "stop":
             assert "\n" not in full["text"]
+
+
+def test_stop_regex_ends_the_output_where_it_first_matches(client):
+    body = {"text": "x = [", "sampling_params": {"temperature": 0, "max_new_tokens": 30,
+                                                 "ignore_eos": True}}
+    free = client.post("/generate", json=body).json()
+    text = free["text"]
+    # a pattern that first matches inside the output: a character from its second half
+    # followed by any other; greedy decoding gives the same tokens up to the stop
+    pattern, first = next((p, m.start()) for p in (re.escape(c) + "." for c in text[15:])
+                          if (m := re.search(p, text)) is not None and m.start() > 0)
+    body["sampling_params"]["stop_regex"] = pattern
+    cut = client.post("/generate", json=body).json()
+    assert cut["text"] == text[:first]
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+    assert len(cut["output_ids"]) < len(free["output_ids"])
+    events = post_stream(client, "/generate", {**body, "stream": True})
+    assert events[-2]["text"] == cut["text"]
+    assert events[-2]["meta_info"]["finish_reason"] == cut["meta_info"]["finish_reason"]
 
 
 def test_parallel_samples_share_the_prompt(client, server):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+import regex
+
 GREEDY_TEMPERATURE = 1e-6  # temperature below this means greedy (argmax)
 # The sampler works on float32 logits, where a masked token is -inf. A temperature that rounds
 # to inf there, a repetition penalty that rounds to 0, or an infinite logit bias turns such a
@@ -128,6 +130,8 @@ class SamplingParams:
         check(isinstance(self.stop_regex, list)
               and all(isinstance(s, str) for s in self.stop_regex),
               "stop_regex", "must be a string or a list of strings")
+        for pattern in self.stop_regex:
+            _check_stop_regex(pattern)
         check(self.seed is None or is_int(self.seed), "seed", "must be an integer")
         check(all(is_num(v) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS
                   for v in (self.logit_bias or {}).values()),
@@ -140,3 +144,15 @@ class SamplingParams:
                   f"token ids must be < vocab size {vocab_size}")
             check(all(0 <= t < vocab_size for t in (self.logit_bias or {})), "logit_bias",
                   f"token ids must be in [0, {vocab_size})")
+
+
+def _check_stop_regex(pattern: str) -> None:
+    """A stop regex must compile (with the ``regex`` module the stop check uses) and must not
+    match the empty string, which would stop every output at its first token."""
+    try:
+        compiled = regex.compile(pattern)
+    except regex.error as e:
+        raise ValueError(f"stop_regex: {pattern!r} is not a valid regular expression ({e})") \
+            from None
+    if compiled.search("") is not None:
+        raise ValueError(f"stop_regex: {pattern!r} matches the empty string")

@@ -1,0 +1,79 @@
+"""stop_regex: the scheduler's check sees every match that ends in the newest token (a window
+from the longest text the regex can match, the whole output when unbounded), and text is cut
+where the regex first matches."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixray.scheduler.request import FinishReason, Req
+from radixray.scheduler.stop import (StopChecker, find_stop, regex_holdback, stop_regex_width,
+                                     trim_stop_text)
+from radixray.worker.sampling_params import SamplingParams
+
+PIECES = ["ab", "c", "de", "f", "gh", "i", "jk", "l", "1", "23"]
+
+
+def piece_decode(ids):
+    return "".join(PIECES[t] for t in ids)
+
+
+def first_stop(pattern, ids, **params):
+    """Feed ``ids`` one at a time; the index of the token that stopped the request, or None."""
+    checker = StopChecker(decode=piece_decode)
+    req = Req("r", [0], SamplingParams(max_new_tokens=100, stop_regex=[pattern], **params))
+    for i, t in enumerate(ids):
+        req.output_ids.append(t)
+        reason = checker.check(req)
+        if reason is not None:
+            assert reason.to_dict() == {"type": "stop", "matched": pattern}
+            return i
+    return None
+
+
+def test_width_bounds_what_the_window_must_cover():
+    assert stop_regex_width("ab(c|de)") == 4
+    assert stop_regex_width(r"\d{2,3}x") == 4
+    assert stop_regex_width(r"\d+") is None  # unbounded: the whole output is searched
+    assert stop_regex_width(r"\p{Lu}x") is None  # regex-module syntax: unknown
+
+
+@pytest.mark.parametrize("pattern,ids,stops_at", [
+    (r"cd", [0, 1, 2, 3], 2),  # "ab" "c" "de": the match spans two tokens
+    (r"\d\d", [0, 8, 0, 9], 3),  # "1" then later "23": the first two adjacent digits
+    (r"b.*l", [0, 1, 2, 3, 4, 5, 6, 7], 7),  # unbounded: 'b' is 7 tokens back
+    (r"fgh?i", [3, 4, 5], 2),
+    (r"zz", [0, 1, 2], None),
+])
+def test_the_check_stops_at_the_token_that_completes_a_match(pattern, ids, stops_at):
+    assert first_stop(pattern, ids) == stops_at
+
+
+def test_min_new_tokens_delays_the_check():
+    assert first_stop("c", [0, 1, 2, 3], min_new_tokens=4) is None  # 'c' left the window
+    assert first_stop("c", [0, 1, 2, 3, 1], min_new_tokens=4) == 4
+
+
+def test_text_is_cut_where_the_regex_first_matches():
+    text = "x = 12 + 345"
+    reason = FinishReason.stop(r"\d+")
+    assert trim_stop_text(text, reason, False, [r"\d+"]) == "x = "
+    assert trim_stop_text(text, reason, True, [r"\d+"]) == text  # no_stop_trim
+    # the same text as a stop string (not a regex) is cut only where it literally appears
+    assert trim_stop_text(r"a \d+ b", reason, False) == "a "
+
+
+def test_find_stop_takes_the_earliest_string_or_regex_and_partial_matches_hold_back():
+    assert find_stop("one two three", 0, ["three"], [r"t\w+o"]) == (4, 7, r"t\w+o")
+    assert find_stop("one two three", 0, ["two"], [r"th\w+"]) == (4, 7, "two")
+    assert find_stop("one two", 5, ["two"], []) is None  # before `start` does not count
+    # "12." may still become "12.50": hold it back; "ab" may not become a match of it
+    assert regex_holdback("total 12.", 0, [r"\d+\.\d\d"]) == 3
+    assert regex_holdback("total ab", 0, [r"\d+\.\d\d"]) == 0
+
+
+@pytest.mark.parametrize("pattern,error", [("a(b", "not a valid regular expression"),
+                                           ("x*", "matches the empty string")])
+def test_bad_patterns_are_rejected_naming_the_field(pattern, error):
+    with pytest.raises(ValueError, match=f"^stop_regex: .*{error}"):
+        SamplingParams(stop_regex=[pattern]).verify()
