@@ -10,9 +10,12 @@ the router, the replicas and the local Ray.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
+
+from ..router.config import WORKER_API_KEY_ENV
 
 DEMO_MODEL_NAME = "radixray-demo"  # what clients send as "model" to the built-in demo model
 
@@ -111,6 +114,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                            help=help_text)
 
 
+def router_env(api_key: str | None) -> dict[str, str]:
+    """The router's environment: ours, plus the replicas' API key (for the router's own
+    requests to them) when they have one; the environment, not argv, keeps it out of ``ps``."""
+    env = dict(os.environ)
+    if api_key:
+        env[WORKER_API_KEY_ENV] = api_key
+    return env
+
+
 def _die_with_parent():
     """A preexec_fn that makes the router get SIGTERM when serve exits, however it exits.
 
@@ -178,7 +190,7 @@ def run_serve(args: argparse.Namespace) -> int:
         router = subprocess.Popen([
             sys.executable, "-m", "radixray.router", "--host", args.host, "--port",
             str(args.port), "--policy", args.router_policy, "--worker-urls", *urls],
-            preexec_fn=_die_with_parent())
+            preexec_fn=_die_with_parent(), env=router_env(args.api_key))
         print(f"radixray serving {args.served_model_name or model_path} at "
               f"http://{args.host}:{args.port} (router; OpenAI API under /v1, SGLang native "
               f"POST /generate)", flush=True)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
-from .config import POLICY_NAMES, RouterConfig
+from .config import POLICY_NAMES, WORKER_API_KEY_ENV, RouterConfig
 
 D = RouterConfig()
 
@@ -70,7 +71,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """A RouterConfig from parsed flags; ValueError naming the field if one is out of range."""
     values = {name: getattr(args, name) for name in RouterConfig.field_names()
               if hasattr(args, name)}
-    return RouterConfig(**values)
+    return RouterConfig(**values, worker_api_key=os.environ.get(WORKER_API_KEY_ENV) or None)
 
 
 def serve(config: RouterConfig) -> None:

@@ -7,8 +7,9 @@ differ and why.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
+WORKER_API_KEY_ENV = "RADIXRAY_WORKER_API_KEY"
 POLICY_NAMES = ("cache_aware", "round_robin", "random", "power_of_two", "least_load",
                 "consistent_hash")
 
@@ -83,6 +84,10 @@ class RouterConfig:
     discovery_interval: float = 5.0
 
     seed: int | None = None  # seeds the random tie-breaks (tests, simulations)
+    # The key of workers started with --api-key, for the router's own requests to them (its
+    # /get_server_info read); clients' requests carry their own. From the environment only
+    # (WORKER_API_KEY_ENV), never a flag, so it does not show in process listings.
+    worker_api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
         object.__setattr__(self, "worker_urls", tuple(self.worker_urls))

@@ -44,7 +44,7 @@ class FakeWorker:
         self.output_len = output_len
         self.delay = delay
         self.chunk_delay = chunk_delay
-        self.api_key = api_key  # required by /flush_cache only, like a replica's --api-key
+        self.api_key = api_key  # required by /get_server_info and /flush_cache when set
         self.fail_status: int | None = None
         self.health_status = 200
         self.requests = 0  # generation requests received
@@ -160,11 +160,18 @@ class FakeWorker:
                              "is_generation": True, "worker": self.name})
 
     async def server_info(self, request: Request):
+        if not self._authorized(request):
+            return JSONResponse({"error": {"message": "Missing or invalid API key"}},
+                                status_code=401)
         return JSONResponse({"max_total_num_tokens": self.cache.max_chars, "version": "fake",
                              "worker": self.name})
 
+    def _authorized(self, request: Request) -> bool:
+        return not self.api_key or \
+            request.headers.get("authorization") == f"Bearer {self.api_key}"
+
     async def flush_cache(self, request: Request):
-        if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
+        if not self._authorized(request):
             return JSONResponse({"error": {"message": "Missing or invalid API key"}},
                                 status_code=401)
         self.cache.clear()

@@ -61,7 +61,9 @@ class HealthChecker:
         a worker that does not report ``max_total_num_tokens`` keeps the global bound."""
         worker.server_info_read = True
         try:
-            resp = await self.client.get(f"{worker.url}/get_server_info",
+            key = self.config.worker_api_key
+            auth = {"Authorization": f"Bearer {key}"} if key else None
+            resp = await self.client.get(f"{worker.url}/get_server_info", headers=auth,
                                          timeout=self.config.health_check_timeout)
             tokens = resp.json().get("max_total_num_tokens") if resp.status_code == 200 else None
         except (httpx.HTTPError, ValueError, AttributeError):

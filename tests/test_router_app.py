@@ -271,9 +271,13 @@ def test_health_checks_take_a_worker_out_and_back(make_cluster):
     assert router.registry.get(urls[0]).healthy
 
 
-def test_each_workers_tree_bound_follows_its_kv_capacity(make_cluster):
-    client, router, fakes, urls = make_cluster(2, worker_kw={"cache_chars": 3000},
-                                               tree_chars_per_token=2.0)
+@pytest.mark.parametrize("api_key", [None, "secret"])
+def test_each_workers_tree_bound_follows_its_kv_capacity(make_cluster, api_key):
+    # workers with an API key answer /get_server_info to the router's own key only
+    client, router, fakes, urls = make_cluster(2, worker_kw={"cache_chars": 3000,
+                                                             "api_key": api_key},
+                                               tree_chars_per_token=2.0,
+                                               worker_api_key=api_key)
     deadline = time.monotonic() + 5  # the first health check reads /get_server_info
     while any(router.registry.get(u).tree_limit is None for u in urls) and \
             time.monotonic() < deadline:

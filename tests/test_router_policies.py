@@ -196,3 +196,18 @@ def test_cli_flags_build_a_config_with_documented_defaults():
     assert defaults == RouterConfig()
     with pytest.raises(ValueError, match="^cache_threshold"):
         config_from_args(parser.parse_args(["--cache-threshold", "2"]))
+
+
+def test_the_workers_api_key_comes_from_the_environment_only(monkeypatch):
+    """``radixray serve --api-key`` hands the key to its router in the environment: no flag
+    shows it in process listings, and the config's repr leaves it out."""
+    from radixray.cluster.serve import router_env
+    from radixray.router.config import WORKER_API_KEY_ENV
+
+    parser = add_router_arguments(argparse.ArgumentParser())
+    assert not any("key" in a.dest for a in parser._actions)
+    monkeypatch.setenv(WORKER_API_KEY_ENV, "s3cret")
+    config = config_from_args(parser.parse_args([]))
+    assert config.worker_api_key == "s3cret" and "s3cret" not in repr(config)
+    assert router_env("k")[WORKER_API_KEY_ENV] == "k"
+    assert router_env(None).get(WORKER_API_KEY_ENV) == "s3cret"  # inherited as it was
