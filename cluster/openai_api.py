@@ -270,12 +270,15 @@ def finish_fields(state: RequestState) -> dict:
 
 def completion_logprobs(pairs, tops, tokenizer, offset: int) -> dict:
     """OpenAI's legacy logprobs object for the (logprob, id) pairs; text offsets start at
-    ``offset`` (the length of the text before these tokens)."""
-    texts = token_texts(tokenizer, [t for _, t in pairs])
+    ``offset`` (the length of the text before these tokens) and advance by each token's
+    visible text: a special token such as the prompt's BOS is listed by name but is in neither
+    the echoed prompt nor the output text."""
+    ids = [t for _, t in pairs]
+    texts = token_texts(tokenizer, ids)
     offsets = []
-    for text in texts:
+    for visible in (tokenizer.decode([t], skip_special_tokens=True) for t in ids):
         offsets.append(offset)
-        offset += len(text)
+        offset += len(visible)
     top = []
     for row in tops or [None] * len(pairs):
         if row is None:

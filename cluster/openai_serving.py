@@ -79,6 +79,22 @@ async def completions(request: Request, ctx: ServingContext, body: oa.Completion
                                     oa.usage(states, n)))
 
 
+def _chunk_logprobs(ctx, body: oa.CompletionRequest, state: RequestState, start: int, end: int,
+                    echoed: str, first: bool) -> dict:
+    """A streamed chunk's logprobs: output tokens ``start:end``, and in a choice's first chunk
+    with echo the prompt's tokens before them, as the non-streamed answer lists them."""
+    pairs = list(state.output_token_logprobs[start:end])
+    tops = list(state.output_top_logprobs[start:end])
+    offset = len(echoed) + len(state.text) - len(state.delta)
+    if echoed and first:
+        inputs = list(state.input_token_logprobs or [])
+        pairs = inputs + pairs
+        tops = list(state.input_top_logprobs or [None] * len(inputs)) + tops
+        offset = 0
+    return oa.completion_logprobs(pairs, tops if body.logprobs > 0 else None, ctx.tokenizer,
+                                  offset)
+
+
 async def _completion_events(ctx, body: oa.CompletionRequest, base: str, firsts, copies,
                              prompts: list[str], session: Session):
     n = len(copies[0])
@@ -99,10 +115,8 @@ async def _completion_events(ctx, body: oa.CompletionRequest, base: str, firsts,
                 logprobs, start = None, sent_logprobs.get(i, 0)
                 end = len(state.output_token_logprobs)
                 if body.logprobs is not None:
-                    tops = state.output_top_logprobs[start:end] if body.logprobs > 0 else None
-                    logprobs = oa.completion_logprobs(state.output_token_logprobs[start:end],
-                                                      tops, ctx.tokenizer,
-                                                      len(state.text) - len(state.delta))
+                    logprobs = _chunk_logprobs(ctx, body, state, start, end,
+                                               prompts[i // n] if body.echo else "", first)
                 sent_logprobs[i] = end
                 choice = {"index": i, "text": text, "logprobs": logprobs,
                           **oa.finish_fields(state)}

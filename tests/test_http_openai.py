@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from http_helpers import MODEL_NAME, ServerThread, make_engine, wait_idle
+from http_helpers import MODEL_NAME, ServerThread, make_engine, post_stream, wait_idle
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +180,13 @@ def test_logprobs(client, server):
     assert len(e.choices[0].logprobs.token_logprobs) == n_prompt + 2
     assert e.choices[0].logprobs.token_logprobs[0] is None
 
+    # each text offset points at its token in the echoed text; the BOS is in neither
+    text, lp = e.choices[0].text, e.choices[0].logprobs
+    visible = [tok.decode([t], skip_special_tokens=True) for t in tok.encode("for x in")]
+    visible += lp.tokens[n_prompt:]
+    assert all(text[off:].startswith(v) for off, v in zip(lp.text_offset, visible))
+    assert lp.text_offset[n_prompt] == len("for x in")
+
     r = client.chat.completions.create(model=MODEL_NAME,
                                        messages=[{"role": "user", "content": "hi"}],
                                        max_tokens=4, temperature=0, logprobs=True,
@@ -190,6 +197,19 @@ def test_logprobs(client, server):
     for x in content:
         assert len(x.top_logprobs) == 2 and x.top_logprobs[0].logprob == pytest.approx(x.logprob)
         assert bytes(x.bytes).decode() == x.token
+
+
+def test_streamed_echo_lists_the_prompt_logprobs_as_the_answer_does(server):
+    body = {"model": MODEL_NAME, "prompt": "for x in", "max_tokens": 6, "temperature": 0,
+            "logprobs": 1, "echo": True, "ignore_eos": True}
+    whole = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        events = post_stream(c, "/v1/completions", {**body, "stream": True})
+    chunks = [e["choices"][0] for e in events[:-1] if e["choices"]]
+    want = whole["choices"][0]
+    assert "".join(ch["text"] for ch in chunks) == want["text"]
+    for key in ("tokens", "token_logprobs", "text_offset", "top_logprobs"):
+        assert [x for ch in chunks for x in ch["logprobs"][key]] == want["logprobs"][key], key
 
 
 def test_sglang_extras_are_honoured(client, server):
