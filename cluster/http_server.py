@@ -24,7 +24,7 @@ from .. import __version__
 from . import native_api, openai_api
 from .engine_protocol import EngineClient
 from .generation import (APIError, ServingContext, bad_request, collect_states,
-                         until_disconnect)
+                         prepare_off_loop_if_large, until_disconnect)
 from .metrics import COUNTERS, GAUGES, EngineMetrics
 from .openai_serving import chat_completions, completions
 
@@ -218,7 +218,8 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
     @app.post("/generate")
     async def _generate(request: Request):
         body = await parse_body(request, native_api.GenerateReqInput)
-        firsts, copies, batch = native_api.build_requests(body, ctx)
+        firsts, copies, batch = await prepare_off_loop_if_large(
+            request, native_api.build_requests, body, ctx)
         flat = [r for group in copies for r in group]
         session = ctx.open_session(body.rid if isinstance(body.rid, str) else firsts[0].rid,
                                    flat)

@@ -14,7 +14,8 @@ from starlette.background import BackgroundTask
 
 from . import openai_api as oa
 from .generation import (SSE_DONE, APIError, RequestState, ServingContext, Session,
-                         collect_states, run_all, sse, until_disconnect)
+                         collect_states, prepare_off_loop_if_large, run_all, sse,
+                         until_disconnect)
 
 
 def _abort_error(state: RequestState) -> APIError:
@@ -57,7 +58,7 @@ def _streaming(events, session: Session) -> StreamingResponse:
 
 
 async def completions(request: Request, ctx: ServingContext, body: oa.CompletionRequest):
-    firsts, copies = oa.completion_requests(body, ctx)
+    firsts, copies = await prepare_off_loop_if_large(request, oa.completion_requests, body, ctx)
     n = len(copies[0])
     base = body.rid or firsts[0].rid
     session = ctx.open_session(base, [r for group in copies for r in group])
@@ -141,7 +142,7 @@ async def _completion_events(ctx, body: oa.CompletionRequest, base: str, firsts,
 
 async def chat_completions(request: Request, ctx: ServingContext,
                            body: oa.ChatCompletionRequest):
-    first, copies = oa.chat_requests(body, ctx)
+    first, copies = await prepare_off_loop_if_large(request, oa.chat_requests, body, ctx)
     session = ctx.open_session(first.rid, copies)
     if body.stream:
         return _streaming(_chat_events(ctx, body, first, copies, session), session)

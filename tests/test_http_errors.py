@@ -168,6 +168,32 @@ def test_engine_rejection_is_a_400(server, engine):
     assert engine.check_invariant() == 0
 
 
+def test_a_huge_prompt_is_tokenized_off_the_event_loop(server, engine, monkeypatch):
+    """A megabyte prompt (refused: longer than the context) is validated and tokenized in a
+    worker thread, so the replica's event loop keeps serving others meanwhile; a small one
+    inline on the loop (uvicorn's thread here)."""
+    on_loop = []
+    encode = server.tokenizer.encode
+
+    def spy(*args, **kwargs):
+        on_loop.append(threading.current_thread() is server.thread)
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(server.tokenizer, "encode", spy)
+    huge = "def f(x):\n    return x\n" * 50_000
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        assert c.post("/generate", json={"text": "ok", "sampling_params": {
+            "max_new_tokens": 1}}).status_code == 200
+        for path, body in [("/generate", {"text": huge}),
+                           ("/v1/completions", {"model": MODEL_NAME, "prompt": huge}),
+                           ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [
+                               {"role": "user", "content": huge}]})]:
+            r = c.post(path, json=body)
+            assert r.status_code == 400 and "context" in r.text, (path, r.text)
+    assert on_loop == [True, False, False, False]
+    wait_idle(engine)
+
+
 def test_disconnect_mid_stream_frees_the_request(server, engine):
     before = engine.scheduler.stats.num_aborted
     with httpx.Client(base_url=server.url, timeout=60) as c:
