@@ -145,7 +145,8 @@ class ServingContext:
     of live requests (for back-pressure and /abort_request)."""
 
     def __init__(self, engine: EngineClient, tokenizer, model_name: str, context_len: int,
-                 vocab_size: int, max_queued_requests: int | None = None, metrics=None):
+                 vocab_size: int, max_queued_requests: int | None = None, metrics=None,
+                 tool_call_parser: str | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -153,6 +154,7 @@ class ServingContext:
         self.vocab_size = vocab_size
         self.max_queued_requests = max_queued_requests
         self.metrics = metrics
+        self.tool_call_parser = tool_call_parser  # tool_calls.PARSERS key; None: no parsing
         self.waiting: set[str] = set()  # engine rids admitted that have no output yet
         self.live: dict[str, set[str]] = {}  # client rid -> engine rids
 

@@ -43,6 +43,7 @@ class ServerArgs:
     port: int = 30000
     api_key: str | None = None
     max_queued_requests: int | None = None
+    tool_call_parser: str | None = None  # tool_calls.PARSERS key (--tool-call-parser)
     health_check_timeout: float = 20.0
     context_len: int | None = None  # None: the engine's max_context_len
     replica: str = "0"
@@ -119,7 +120,8 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
         engine, tokenizer, args.model_name,
         context_len=args.context_len or info.get("max_context_len") or tokenizer.model_max_length,
         vocab_size=info.get("vocab_size") or len(tokenizer),
-        max_queued_requests=args.max_queued_requests, metrics=metrics)
+        max_queued_requests=args.max_queued_requests, metrics=metrics,
+        tool_call_parser=args.tool_call_parser)
     state = {"shutting_down": False}
     model_cfg = _model_config(args.model_path)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -21,6 +22,7 @@ from .engine_protocol import GenerateRequest
 from .generation import (APIError, RequestState, ServingContext, bad_request,
                          check_lengths, check_sampling_params, check_text, check_token_ids,
                          expand_copies, new_rid)
+from .tool_calls import NamedToolChoice, Tool, ToolPlan, template_message, tool_plan
 
 # SamplingParams name -> the OpenAI field a client wrote
 RENAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
@@ -99,6 +101,8 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: which call it answers
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -106,6 +110,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; the parsers return every call
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,8 +213,10 @@ def completion_requests(body: CompletionRequest, ctx: ServingContext
     return firsts, copies
 
 
-def chat_prompt_ids(body: ChatCompletionRequest, tokenizer) -> list[int]:
-    """Apply the tokenizer's chat template (it adds any BOS itself) and tokenize."""
+def chat_prompt_ids(body: ChatCompletionRequest, tokenizer,
+                    tools: list[dict] | None = None) -> list[int]:
+    """Apply the tokenizer's chat template (it adds any BOS itself), showing it ``tools``, and
+    tokenize."""
     if not body.messages:
         raise bad_request("messages: at least one message is required", param="messages")
     messages = []
@@ -220,9 +229,9 @@ def chat_prompt_ids(body: ChatCompletionRequest, tokenizer) -> list[int]:
             content = "".join(part.text for part in content)
         check_text(m.role, f"messages[{i}].role")
         check_text(content or "", f"messages[{i}].content")
-        messages.append({"role": m.role, "content": content or ""})
+        messages.append(template_message(m, content or ""))
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                              add_generation_prompt=True)
     except Exception as e:  # jinja raises on roles or orders the template rejects
         raise bad_request(f"messages: the chat template rejected them ({e})",
@@ -231,8 +240,9 @@ def chat_prompt_ids(body: ChatCompletionRequest, tokenizer) -> list[int]:
 
 
 def chat_requests(body: ChatCompletionRequest, ctx: ServingContext
-                  ) -> tuple[GenerateRequest, list[GenerateRequest]]:
-    ids = chat_prompt_ids(body, ctx.tokenizer)
+                  ) -> tuple[GenerateRequest, list[GenerateRequest], ToolPlan]:
+    plan = tool_plan(body, ctx.tool_call_parser)
+    ids = chat_prompt_ids(body, ctx.tokenizer, plan.template_tools)
     _check_max(body.max_tokens, "max_tokens")
     _check_max(body.max_completion_tokens, "max_completion_tokens")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
@@ -242,11 +252,16 @@ def chat_requests(body: ChatCompletionRequest, ctx: ServingContext
         else body.max_tokens
     max_tokens = max(ctx.context_len - len(ids), 0) if limit is None else limit
     sp = sampling_params(body, max_tokens)
+    if plan.forced_ebnf is not None:
+        if sp.regex is not None or sp.json_schema is not None or sp.ebnf is not None:
+            raise bad_request("tool_choice: a forced call cannot be combined with regex, "
+                              "json_schema, ebnf or response_format", param="tool_choice")
+        sp = replace(sp, ebnf=plan.forced_ebnf)
     check_sampling_params(sp, ctx.vocab_size, RENAME)
     check_lengths(len(ids), max_tokens, ctx.context_len, "messages", "max_tokens")
     req = _engine_request(body, ctx, ids, sp, body.rid or new_rid(), len(ids) - 1,
                           body.top_logprobs or 0, bool(body.logprobs))
-    return req, expand_copies(req, sp.n)
+    return req, expand_copies(req, sp.n), plan
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,13 +334,29 @@ def completion_choice(index: int, state: RequestState, body: CompletionRequest, 
     return {"index": index, "text": text, "logprobs": logprobs, **finish_fields(state)}
 
 
-def chat_choice(index: int, state: RequestState, body: ChatCompletionRequest, tokenizer) -> dict:
+def chat_choice(index: int, state: RequestState, body: ChatCompletionRequest, tokenizer,
+                plan: ToolPlan) -> dict:
     logprobs = None
     if body.logprobs:
         logprobs = chat_logprobs(state.output_token_logprobs, state.output_top_logprobs,
                                  tokenizer)
-    return {"index": index, "message": {"role": "assistant", "content": state.text},
-            "logprobs": logprobs, **finish_fields(state)}
+    message = {"role": "assistant", "content": state.text}
+    fields = finish_fields(state)
+    if plan.parser is not None:
+        content, calls = plan.parser.parse(state.text, plan.names)
+        if calls:
+            message = {"role": "assistant", "content": content or None,
+                       "tool_calls": [c.to_openai() for c in calls]}
+            fields = tool_finish_fields(state)
+    return {"index": index, "message": message, "logprobs": logprobs, **fields}
+
+
+def tool_finish_fields(state: RequestState) -> dict:
+    """A reply that ended in calls finishes with "tool_calls" (unless cut by a limit)."""
+    fields = finish_fields(state)
+    if fields["finish_reason"] == "stop":
+        fields = {**fields, "finish_reason": "tool_calls"}
+    return fields
 
 
 def envelope(kind: str, rid: str, model: str, choices: list[dict], usage_: dict | None) -> dict:

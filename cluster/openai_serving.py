@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from . import openai_api as oa
+from .tool_calls import ToolPlan, ToolStream
 from .generation import (SSE_DONE, APIError, RequestState, ServingContext, Session,
                          collect_states, prepare_off_loop_if_large, run_all, sse,
                          until_disconnect)
@@ -142,24 +143,28 @@ async def _completion_events(ctx, body: oa.CompletionRequest, base: str, firsts,
 
 async def chat_completions(request: Request, ctx: ServingContext,
                            body: oa.ChatCompletionRequest):
-    first, copies = await prepare_off_loop_if_large(request, oa.chat_requests, body, ctx)
+    first, copies, plan = await prepare_off_loop_if_large(request, oa.chat_requests, body, ctx)
     session = ctx.open_session(first.rid, copies)
     if body.stream:
-        return _streaming(_chat_events(ctx, body, first, copies, session), session)
+        return _streaming(_chat_events(ctx, body, first, copies, session, plan), session)
     states = await _run(request, ctx, session, [first], [copies])
     if isinstance(states, Response):
         return states
-    choices = [oa.chat_choice(i, s, body, ctx.tokenizer) for i, s in enumerate(states)]
+    choices = [oa.chat_choice(i, s, body, ctx.tokenizer, plan) for i, s in enumerate(states)]
     return JSONResponse(oa.envelope("chat.completion", first.rid, ctx.model_name, choices,
                                     oa.usage(states, len(copies))))
 
 
-async def _chat_events(ctx, body: oa.ChatCompletionRequest, first, copies, session: Session):
+async def _chat_events(ctx, body: oa.ChatCompletionRequest, first, copies, session: Session,
+                       plan: ToolPlan):
     started: dict[int, int] = {}  # choice index -> output logprobs sent
     finals: dict[int, RequestState] = {}
+    tools: dict[int, ToolStream] = {}  # choice index -> its reply's content/call split
 
-    def chunk(i: int, delta: dict, logprobs, state: RequestState | None) -> str:
-        fields = oa.finish_fields(state) if state is not None else {"finish_reason": None}
+    def chunk(i: int, delta: dict, logprobs, state: RequestState | None,
+              fields: dict | None = None) -> str:
+        if fields is None:
+            fields = oa.finish_fields(state) if state is not None else {"finish_reason": None}
         choice = {"index": i, "delta": delta, "logprobs": logprobs, **fields}
         return sse(oa.envelope("chat.completion.chunk", first.rid, ctx.model_name, [choice],
                                None))
@@ -172,19 +177,30 @@ async def _chat_events(ctx, body: oa.ChatCompletionRequest, first, copies, sessi
                     break
                 if i not in started:
                     started[i] = 0
+                    if plan.parser is not None:
+                        tools[i] = ToolStream(plan.parser, plan.names)
                     yield chunk(i, {"role": "assistant", "content": ""}, None, None)
                 if state.finished:
                     finals[i] = state
-                if not (state.delta or state.finished):
-                    continue  # text held back (partial character or possible stop string)
+                text, calls = state.delta, []
+                if i in tools:  # content only as far as it cannot be the start of a call
+                    text = tools[i].update(state.text)
+                    if state.finished:
+                        rest, calls = tools[i].finish(state.text)
+                        text += rest
+                if not (text or state.finished):
+                    continue  # text held back (partial character, possible stop or call)
                 logprobs, end = None, len(state.output_token_logprobs)
                 if body.logprobs:
                     logprobs = oa.chat_logprobs(state.output_token_logprobs[started[i]:end],
                                                 state.output_top_logprobs[started[i]:end],
                                                 ctx.tokenizer)
                 started[i] = end
-                delta = {"content": state.delta} if state.delta else {}
-                yield chunk(i, delta, logprobs, state if state.finished else None)
+                delta = {"content": text} if text else {}
+                if calls:
+                    delta["tool_calls"] = [c.to_openai(index=k) for k, c in enumerate(calls)]
+                yield chunk(i, delta, logprobs, state if state.finished else None,
+                            oa.tool_finish_fields(state) if calls else None)
             else:
                 if body.stream_options and body.stream_options.include_usage:
                     states = [finals[i] for i in sorted(finals)]

@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 from ..router.config import WORKER_API_KEY_ENV
+from .tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 DEMO_MODEL_NAME = "radixray-demo"  # what clients send as "model" to the built-in demo model
 
@@ -73,6 +74,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="answer 429 beyond this many requests waiting for their first token; "
                         "None: no limit")
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
+                   help="parse tool calls in the chat API's replies, in this model family's "
+                        "format (qwen25/hermes: <tool_call> blocks; llama3: JSON); None: "
+                        "replies stay text")
     p.add_argument("--health-check-timeout", type=float, default=20.0,
                    help="seconds /health may wait for its one-token generation")
     g = p.add_argument_group("cluster")
@@ -173,6 +178,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"radixray serve: error: {e}", file=sys.stderr)
         return 2
     http_args = {"served_model_name": args.served_model_name, "api_key": args.api_key,
+                 "tool_call_parser": args.tool_call_parser,
                  "max_queued_requests": args.max_queued_requests,
                  "health_check_timeout": args.health_check_timeout}
     base_port = args.replica_base_port or args.port + 1

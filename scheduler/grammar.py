@@ -77,6 +77,20 @@ def _grammar(kind: str, text: str) -> xgr.Grammar:
     return grammar
 
 
+def wrapped_json_schema_ebnf(prefix: str, schema: str, suffix: str) -> str:
+    """EBNF of ``prefix``, then JSON satisfying ``schema`` (as a json_schema constraint
+    compiles it), then ``suffix``: how a tool call is forced in a model's own format. Raises
+    GrammarError("json_schema: ...") for a bad schema."""
+    try:
+        parts = [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(prefix)}")] if prefix else []
+        parts.append(_grammar("json_schema", schema))
+        if suffix:
+            parts.append(xgr.Grammar.from_ebnf(f"root ::= {json.dumps(suffix)}"))
+    except Exception as exc:
+        raise GrammarError("json_schema", _problem(exc)) from None
+    return str(xgr.Grammar.concat(*parts)) if len(parts) > 1 else str(parts[0])
+
+
 def validate_grammar(kind: str, text) -> None:
     """Raise ``GrammarError`` naming the problem if ``text`` is not a valid ``kind`` grammar.
 

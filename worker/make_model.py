@@ -34,10 +34,21 @@ QWEN2_PRETOKENIZE_REGEX = (
 )
 
 # ChatML-like. Llama folders start the prompt with <|bos|> (their tokenizer adds it to plain
-# text too); qwen2 folders have no BOS, as Qwen's do.
-_CHAT_BODY = (
+# text too); qwen2 folders have no BOS, as Qwen's do. Tools are shown and calls written the
+# way Qwen2.5's template does (the `qwen25` tool-call parser reads them back).
+_CHAT_TOOLS = (
+    "{%- if tools -%}{{ '<|im_start|>system\\n# Tools\\n<tools>\\n' }}"
+    "{%- for tool in tools -%}{{ tool | tojson }}{{ '\\n' }}{%- endfor -%}"
+    "{{ '</tools>\\nCall a function as <tool_call>\\n{\"name\": <name>, \"arguments\": "
+    "<arguments>}\\n</tool_call><|im_end|>\\n' }}{%- endif -%}"
+)
+_CHAT_BODY = _CHAT_TOOLS + (
     "{%- for message in messages -%}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{%- for call in message.tool_calls or [] -%}{{ '<tool_call>\\n' }}"
+    "{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}"
+    "{{ '\\n</tool_call>' }}{%- endfor -%}"
+    "{{ '<|im_end|>\\n' }}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )

@@ -1,0 +1,284 @@
+"""OpenAI tool calling for /v1/chat/completions.
+
+The request's ``tools`` go to the chat template, which tells the model how to call them; what
+the model writes back is parsed into ``tool_calls`` by the parser the server was started with
+(``--tool-call-parser``), one per model family's format:
+
+- ``qwen25`` (alias ``hermes``): Qwen2/2.5/3 and Hermes models write each call as
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, after any plain text.
+- ``llama3``: Llama 3.1+ writes a call as the whole reply, ``{"name": ..., "parameters":
+  {...}}`` (several separated by ``;``), optionally after ``<|python_tag|>``.
+
+``tool_choice``: ``auto`` (default) lets the model choose; ``none`` hides the tools; ``required``
+or ``{"type": "function", "function": {"name": ...}}`` constrain decoding (xgrammar) to one
+call in the parser's format, of one of the allowed tools, with arguments that satisfy its
+``parameters`` schema. A call that names no offered tool, or whose JSON does not parse, stays
+plain text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from .generation import bad_request
+
+ANY_OBJECT = {"type": "object"}
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict
+
+    def to_openai(self, index: int | None = None) -> dict:
+        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
+        return call if index is None else {"index": index, **call}
+
+
+def _call(obj, names: set[str], args_key: str) -> ToolCall | None:
+    """A ToolCall from a decoded JSON object, or None if it is not a call of an offered tool."""
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    args = obj.get(args_key, obj.get("arguments", {}))
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    return ToolCall(obj["name"], args) if isinstance(args, dict) else None
+
+
+class ToolCallParser:
+    """One model family's tool-call format. ``parse`` splits a finished reply into content and
+    calls; ``content_end`` says how much of a reply still being streamed is surely content;
+    ``forced_grammar`` is the EBNF of exactly one call, for tool_choice required / named."""
+
+    def parse(self, text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
+        raise NotImplementedError
+
+    def content_end(self, text: str) -> int:
+        raise NotImplementedError
+
+    def forced_grammar(self, tools: list[dict]) -> str:
+        raise NotImplementedError
+
+
+def _forced(prefix: str, tools: list[dict], args_key: str, suffix: str) -> str:
+    """EBNF of ``prefix``, one call object of any of ``tools``, ``suffix``."""
+    # imported here: `radixray serve --help` reads PARSERS, and xgrammar loads torch (seconds)
+    from ..scheduler.grammar import wrapped_json_schema_ebnf
+
+    return wrapped_json_schema_ebnf(prefix, _call_schema(tools, args_key), suffix)
+
+
+def _call_schema(tools: list[dict], args_key: str) -> str:
+    """JSON schema of one call object of any of ``tools`` (OpenAI tool dicts)."""
+    cases = [{"type": "object", "required": ["name", args_key],
+              "properties": {"name": {"const": t["function"]["name"]},
+                             args_key: t["function"].get("parameters") or ANY_OBJECT}}
+             for t in tools]
+    return json.dumps(cases[0] if len(cases) == 1 else {"anyOf": cases})
+
+
+class HermesParser(ToolCallParser):
+    START, END = "<tool_call>", "</tool_call>"
+    _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+    def parse(self, text, names):
+        calls = []
+        for block in self._BLOCK.finditer(text):
+            try:
+                call = _call(json.loads(block.group(1)), names, "arguments")
+            except ValueError:
+                call = None
+            if call is not None:
+                calls.append(call)
+        if not calls:
+            return text, []
+        return text[:text.index(self.START)].rstrip(), calls
+
+    def content_end(self, text):
+        start = text.find(self.START)
+        if start < 0:  # a call may be starting at the end
+            start = len(text) - next((k for k in range(len(self.START) - 1, 0, -1)
+                                      if text.endswith(self.START[:k])), 0)
+        return len(text[:start].rstrip())  # whitespace may turn out to precede a call
+
+    def forced_grammar(self, tools):
+        return _forced(self.START + "\n", tools, "arguments", "\n" + self.END)
+
+
+class Llama3JsonParser(ToolCallParser):
+    TAG = "<|python_tag|>"
+
+    def parse(self, text, names):
+        body = text.strip()
+        body = body[len(self.TAG):].lstrip() if body.startswith(self.TAG) else body
+        calls, pos, decoder = [], 0, json.JSONDecoder()
+        while pos < len(body):
+            try:
+                obj, pos = decoder.raw_decode(body, pos)
+            except ValueError:
+                return text, []
+            call = _call(obj, names, "parameters")
+            if call is None:
+                return text, []
+            calls.append(call)
+            while pos < len(body) and body[pos] in "; \n\t":
+                pos += 1
+        return ("", calls) if calls else (text, [])
+
+    def content_end(self, text):
+        body = text.lstrip()
+        if not body or body.startswith("{") or self.TAG.startswith(body[:len(self.TAG)]):
+            return 0  # the reply may be a call: it is decided when it ends
+        return len(text)
+
+    def forced_grammar(self, tools):
+        return _forced("", tools, "parameters", "")
+
+
+PARSERS: dict[str, type[ToolCallParser]] = {
+    "qwen25": HermesParser, "hermes": HermesParser, "llama3": Llama3JsonParser}
+
+
+class ToolStream:
+    """Turns a streamed reply (its cumulative released text) into content deltas, and at the
+    end into either the rest of the content or the tool calls."""
+
+    def __init__(self, parser: ToolCallParser, names: set[str]):
+        self.parser, self.names = parser, names
+        self.sent = 0  # characters of content sent
+
+    def update(self, text: str) -> str:
+        """The content delta that is safe to send now (may be "")."""
+        end = max(self.parser.content_end(text), self.sent)
+        delta, self.sent = text[self.sent:end], end
+        return delta
+
+    def finish(self, text: str) -> tuple[str, list[ToolCall]]:
+        """The reply ended: (the content not sent yet, the calls)."""
+        content, calls = self.parser.parse(text, self.names)
+        rest = content[self.sent:] if content.startswith(text[:self.sent]) else ""
+        self.sent = len(content)
+        return rest, calls
+
+
+# --------------------------------------------------------------------------------- requests
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionName
+
+
+def template_message(m, content: str) -> dict:
+    """A ChatMessage as chat templates take it: an earlier call's arguments as a dict (OpenAI
+    sends a JSON string; templates write them out with ``tojson``)."""
+    message = {"role": m.role, "content": content}
+    if m.tool_calls:
+        message["tool_calls"] = [_parsed_arguments(call) for call in m.tool_calls]
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        message["name"] = m.name
+    return message
+
+
+def _parsed_arguments(call: dict) -> dict:
+    function = call.get("function")
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            return {**call, "function": {**function,
+                                         "arguments": json.loads(function["arguments"])}}
+        except ValueError:
+            pass  # left as the client wrote it
+    return call
+
+
+# --------------------------------------------------------------------------------- planning
+
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+
+
+@dataclass
+class ToolPlan:
+    """What a chat request's tools mean for this server."""
+    template_tools: list[dict] | None = None  # for the chat template; None: no tools shown
+    parser: ToolCallParser | None = None  # None: the reply is plain content
+    names: frozenset[str] = frozenset()
+    forced_ebnf: str | None = None  # tool_choice required / named: the one call to decode
+
+
+def plan_tools(tools: list[dict] | None, tool_choice, parser_name: str | None) -> ToolPlan:
+    """Check ``tools`` (OpenAI tool dicts) and ``tool_choice`` ("none", "auto", "required" or
+    a named-function dict); raises ValueError("<field>: <problem>") for a 400."""
+    if not tools:
+        if tool_choice not in (None, "none", "auto"):
+            raise ValueError("tool_choice: give tools to choose from")
+        return ToolPlan()
+    names = [t["function"]["name"] for t in tools]
+    for i, name in enumerate(names):
+        if not _NAME.match(name):
+            raise ValueError(f"tools[{i}].function.name: must be 1-64 letters, digits, _ or -")
+    if len(set(names)) < len(names):
+        raise ValueError("tools: function names must be unique")
+    if tool_choice == "none":
+        return ToolPlan()
+    parser = PARSERS[parser_name]() if parser_name else None
+    plan = ToolPlan(tools, parser, frozenset(names))
+    if tool_choice in (None, "auto"):
+        return plan
+    if parser is None:
+        raise ValueError("tool_choice: forcing a call needs a server started with "
+                         "--tool-call-parser")
+    chosen = tools
+    if isinstance(tool_choice, dict):
+        wanted = tool_choice["function"]["name"]
+        chosen = [t for t in tools if t["function"]["name"] == wanted]
+        if not chosen:
+            raise ValueError(f"tool_choice.function.name: {wanted!r} is not among the tools")
+    try:
+        plan.forced_ebnf = parser.forced_grammar(chosen)
+    except ValueError as e:
+        raise ValueError(f"tools: a function's parameters are not a usable JSON schema "
+                         f"({e})") from None
+    return plan
+
+
+def tool_plan(body, parser_name: str | None) -> ToolPlan:
+    """What a ChatCompletionRequest's tools mean here; 400s name the field."""
+    choice = body.tool_choice
+    try:
+        return plan_tools([t.model_dump(exclude_none=True) for t in body.tools] if body.tools
+                          else None,
+                          choice.model_dump() if isinstance(choice, BaseModel) else choice,
+                          parser_name)
+    except ValueError as e:
+        name = str(e).partition(":")[0]
+        raise bad_request(str(e), param=name.split(".")[0].split("[")[0]) from None

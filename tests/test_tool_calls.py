@@ -1,0 +1,181 @@
+"""OpenAI tool calling: the parsers read each family's format back (and nothing else), a
+streamed reply never sends call text as content, and through the server a forced call
+(tool_choice required / named) comes back as ``tool_calls`` whose arguments satisfy the
+function's schema, streamed or not."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from http_helpers import MODEL_NAME, ServerThread, make_engine, post_stream, wait_idle
+from radixray.cluster.tool_calls import (HermesParser, Llama3JsonParser, ToolCall, ToolStream,
+                                         plan_tools)
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "required": ["city", "unit"], "properties": {
+        "city": {"enum": ["Paris", "Oslo"]}, "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "required": ["zone"],
+                                       "properties": {"zone": {"enum": ["UTC", "CET"]}}}}}
+NAMES = {"get_weather", "get_time"}
+
+
+@pytest.mark.parametrize("text,content,calls", [
+    ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+     '</tool_call>', "Let me look.", [("get_weather", {"city": "Oslo"})]),
+    ('<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}</tool_call>\n'
+     '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>', "",
+     [("get_time", {"zone": "UTC"}), ("get_weather", {})]),
+    ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', None, []),  # not offered
+    ('<tool_call>{"name": "get_time", "arguments": {</tool_call>', None, []),  # bad JSON
+    ("just text, <tool_ no call", None, []),
+])
+def test_hermes_parser(text, content, calls):
+    got_content, got = HermesParser().parse(text, NAMES)
+    assert got == [ToolCall(n, a) for n, a in calls]
+    assert got_content == (text if content is None else content)
+
+
+@pytest.mark.parametrize("text,calls", [
+    ('{"name": "get_time", "parameters": {"zone": "CET"}}', [("get_time", {"zone": "CET"})]),
+    ('<|python_tag|>{"name": "get_time", "parameters": {}}; {"name": "get_weather", '
+     '"parameters": {"city": "Paris"}}', [("get_time", {}), ("get_weather", {"city": "Paris"})]),
+    ('{"name": "get_time", "parameters": {}} and then some words', []),
+    ("The weather is fine.", []),
+])
+def test_llama3_parser(text, calls):
+    content, got = Llama3JsonParser().parse(text, NAMES)
+    assert got == [ToolCall(n, a) for n, a in calls]
+    assert content == ("" if calls else text)
+
+
+@pytest.mark.parametrize("parser,text", [
+    (HermesParser(), 'Checking <tool> tags first.  \n<tool_call>\n{"name": "get_time", '
+                     '"arguments": {"zone": "UTC"}}\n</tool_call>'),
+    (HermesParser(), "No call here, only a <tool_ that never completes."),
+    (Llama3JsonParser(), '  {"name": "get_time", "parameters": {"zone": "UTC"}}'),
+    (Llama3JsonParser(), "Plain answer {with braces}."),
+])
+def test_streamed_content_never_includes_call_text(parser, text):
+    """Fed a character at a time, the content deltas add up to the parsed content, and no
+    delta ever has to be taken back."""
+    stream, sent = ToolStream(parser, NAMES), ""
+    for end in range(1, len(text) + 1):
+        sent += stream.update(text[:end])
+    rest, calls = stream.finish(text)
+    content, want = parser.parse(text, NAMES)
+    assert sent + rest == content and calls == want
+
+
+@pytest.mark.parametrize("tools,choice,parser,error", [
+    (None, "required", "qwen25", "tool_choice: give tools"),
+    ([WEATHER, WEATHER], "auto", "qwen25", "tools: function names must be unique"),
+    ([{"type": "function", "function": {"name": "bad name"}}], "auto", None,
+     "tools[0].function.name"),
+    ([WEATHER], "required", None, "tool_choice: forcing a call needs"),
+    ([WEATHER], {"type": "function", "function": {"name": "get_time"}}, "qwen25",
+     "tool_choice.function.name: 'get_time' is not among the tools"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+     "required", "qwen25", "tools: a function's parameters"),
+])
+def test_plan_errors_name_the_field(tools, choice, parser, error):
+    with pytest.raises(ValueError, match=f"^{error}".replace("[", r"\[").replace("(", r"\(")):
+        plan_tools(tools, choice, parser)
+
+
+def test_plans():
+    assert plan_tools([WEATHER], "none", "qwen25").template_tools is None
+    auto = plan_tools([WEATHER], None, "qwen25")
+    assert auto.template_tools == [WEATHER] and auto.forced_ebnf is None
+    assert plan_tools([WEATHER], "auto", None).parser is None  # shown, replies stay text
+    assert "get_weather" in plan_tools([WEATHER, TIME], "required", "llama3").forced_ebnf
+
+
+# ---------------------------------------------------------------- through the server
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_path):
+    eng = make_engine(tiny_llama_path)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(engine, tiny_llama_path):
+    srv = ServerThread(engine, tiny_llama_path, tool_call_parser="qwen25")
+    with srv:
+        yield srv
+
+
+def chat(server, **body):
+    body = {"model": MODEL_NAME, "max_tokens": 64, "temperature": 0,
+            "messages": [{"role": "user", "content": "weather in Oslo?"}], **body}
+    return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def check_call(call: dict, name: str) -> dict:
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == name
+    args = json.loads(call["function"]["arguments"])
+    schema = (WEATHER if name == "get_weather" else TIME)["function"]["parameters"]
+    assert set(args) == set(schema["required"])
+    assert all(args[k] in schema["properties"][k]["enum"] for k in args)
+    return args
+
+
+@pytest.mark.parametrize("choice,name", [
+    ("required", None), ({"type": "function", "function": {"name": "get_time"}}, "get_time")])
+def test_a_forced_call_comes_back_as_tool_calls(server, engine, choice, name):
+    r = chat(server, tools=[WEATHER, TIME], tool_choice=choice)
+    assert r.status_code == 200, r.text
+    out = r.json()["choices"][0]
+    assert out["finish_reason"] == "tool_calls" and out["message"]["content"] is None
+    (call,) = out["message"]["tool_calls"]
+    args = check_call(call, name or call["function"]["name"])
+    # streamed: the same call, once, in the last chunk, and no call text as content
+    events = post_stream(httpx.Client(base_url=server.url, timeout=60), "/v1/chat/completions",
+                         {"model": MODEL_NAME, "max_tokens": 64, "temperature": 0,
+                          "messages": [{"role": "user", "content": "weather in Oslo?"}],
+                          "tools": [WEATHER, TIME], "tool_choice": choice, "stream": True})
+    deltas = [e["choices"][0] for e in events[:-1] if e["choices"]]
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == ""
+    streamed = [c for d in deltas for c in d["delta"].get("tool_calls", [])]
+    assert len(streamed) == 1 and streamed[0]["index"] == 0
+    assert check_call(streamed[0], call["function"]["name"]) == args
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+    wait_idle(engine)
+
+
+def test_tools_reach_the_template_and_a_conversation_with_calls_renders(server, engine):
+    plain = chat(server, max_tokens=1).json()["usage"]["prompt_tokens"]
+    shown = chat(server, max_tokens=1, tools=[WEATHER]).json()["usage"]["prompt_tokens"]
+    hidden = chat(server, max_tokens=1, tools=[WEATHER], tool_choice="none").json()
+    assert shown > plain == hidden["usage"]["prompt_tokens"]
+    history = [{"role": "user", "content": "weather in Oslo?"},
+               {"role": "assistant", "content": None, "tool_calls": [{
+                   "id": "call_1", "type": "function", "function": {
+                       "name": "get_weather",
+                       "arguments": '{"city": "Oslo", "unit": "celsius"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "-3 and snowing"}]
+    r = chat(server, messages=history, tools=[WEATHER], max_tokens=4)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] > shown
+    wait_idle(engine)
+
+
+@pytest.mark.parametrize("body,error", [
+    ({"tool_choice": "required"}, "tool_choice: give tools"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "regex": "a+"},
+     "tool_choice: a forced call cannot be combined"),
+    ({"tools": [{"type": "retrieval"}]}, "tools"),
+])
+def test_bad_tool_requests_are_400s(server, engine, body, error):
+    r = chat(server, **body)
+    assert r.status_code == 400 and error in r.json()["message"], r.text
+    wait_idle(engine)
