@@ -23,6 +23,7 @@ import torch
 from ..worker.attention import AttentionBackend, AttentionMetadata, KVCache, \
     register_attention_backend
 from .cuda_graph import CUDA_GRAPH_BATCH_SIZES
+from .page_lists import page_lists
 from .store_kv import store_kv
 
 WORKSPACE_BYTES = 256 << 20
@@ -70,27 +71,13 @@ class FlashInferBackend(AttentionBackend):
             self.decode_graphed[batch] = wrapper
         return wrapper
 
-    @staticmethod
-    def _page_table(meta: AttentionMetadata, kv: KVCache):
-        """CSR page lists (int32): indptr [B + 1] and indices [sum(seq_lens)], built on device."""
-        seq_lens_cpu = [p + e for p, e in zip(meta.prefix_lens_cpu, meta.extend_lens_cpu)]
-        device = meta.req_rows.device
-        seq_lens = torch.tensor(seq_lens_cpu, dtype=torch.int32, device=device)
-        indptr = torch.zeros(len(seq_lens_cpu) + 1, dtype=torch.int32, device=device)
-        torch.cumsum(seq_lens, 0, out=indptr[1:])
-        max_len = max(seq_lens_cpu)
-        rows = kv.req_to_token[meta.req_rows, :max_len]  # [B, L]
-        valid = torch.arange(max_len, device=device)[None, :] < seq_lens[:, None]
-        indices = rows[valid].to(torch.int32)  # row-major: request by request, in order
-        last_page_len = torch.ones(len(seq_lens_cpu), dtype=torch.int32, device=device)
-        return indptr, indices, last_page_len
-
     def prepare(self, meta: AttentionMetadata, kv: KVCache) -> None:
         """Builds the page lists and plans the batch on the decode or prefill wrapper. Host
         work: call outside CUDA graphs. Until the first forward has shown the number of
         query heads of this rank, planning waits for that forward."""
         self.meta, self.kv = meta, kv
-        self._page_lists = self._page_table(meta, kv)
+        self._page_lists = page_lists(kv.req_to_token, meta.req_rows, [
+            p + e for p, e in zip(meta.prefix_lens_cpu, meta.extend_lens_cpu)])
         self._planned = False
         if self.num_heads is not None:
             self._plan()
@@ -105,8 +92,8 @@ class FlashInferBackend(AttentionBackend):
             self.wrapper.plan(indptr, indices, last_page_len, self.num_heads, kv_heads,
                               head_dim, 1, q_data_type=dtype, kv_data_type=dtype)
         else:
-            qo_indptr = torch.zeros_like(indptr)
-            torch.cumsum(meta.extend_lens.to(torch.int32), 0, out=qo_indptr[1:])
+            qo_indptr = torch.zeros_like(indptr)  # on the host, as indptr
+            qo_indptr[1:] = torch.tensor(meta.extend_lens_cpu, dtype=torch.int32).cumsum(0)
             self.wrapper = self.prefill
             self.wrapper.plan(qo_indptr, indptr, indices, last_page_len, self.num_heads,
                               kv_heads, head_dim, 1, causal=True, q_data_type=dtype,

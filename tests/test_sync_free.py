@@ -78,6 +78,22 @@ def test_the_sampler_decides_from_host_values():
     assert partial.next_token_ids.tolist() == ids
 
 
+def test_flashinfer_page_lists_are_built_from_host_lengths():
+    """FlashInfer's page lists (kernels/page_lists.py): each request's slots in order, without
+    a boolean mask (whose size only the device knows) or other host reads."""
+    from radixray.kernels.page_lists import page_lists
+
+    table = torch.randint(1, 1000, (6, 40))
+    rows, lens = torch.tensor([4, 0, 2]), [7, 1, 33]
+    with HostReads() as mode:
+        indptr, indices, last = page_lists(table, rows, lens)
+    assert mode.reads == []
+    assert indptr.tolist() == [0, 7, 8, 41] and last.tolist() == [1, 1, 1]
+    assert indices.dtype == torch.int32
+    want = [slot for r, n in zip(rows.tolist(), lens) for slot in table[r, :n].tolist()]
+    assert indices.tolist() == want
+
+
 @gpu
 def test_the_sampler_never_waits_for_the_gpu():
     logits, batch = mixed_batch()
