@@ -22,7 +22,7 @@ from .engine_protocol import GenerateRequest
 from .generation import (APIError, RequestState, ServingContext, bad_request,
                          check_lengths, check_sampling_params, check_text, check_token_ids,
                          expand_copies, new_rid)
-from .tool_calls import NamedToolChoice, Tool, ToolPlan, template_message, tool_plan
+from .tool_calls import NamedToolChoice, Tool, ToolPlan, plan_tools, template_message
 
 # SamplingParams name -> the OpenAI field a client wrote
 RENAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
@@ -237,6 +237,19 @@ def chat_prompt_ids(body: ChatCompletionRequest, tokenizer,
         raise bad_request(f"messages: the chat template rejected them ({e})",
                           param="messages") from None
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def tool_plan(body, parser_name: str | None) -> ToolPlan:
+    """What a ChatCompletionRequest's tools mean here; 400s name the field."""
+    choice = body.tool_choice
+    try:
+        return plan_tools([t.model_dump(exclude_none=True) for t in body.tools] if body.tools
+                          else None,
+                          choice.model_dump() if isinstance(choice, BaseModel) else choice,
+                          parser_name)
+    except ValueError as e:
+        name = str(e).partition(":")[0]
+        raise bad_request(str(e), param=name.split(".")[0].split("[")[0]) from None
 
 
 def chat_requests(body: ChatCompletionRequest, ctx: ServingContext

@@ -26,8 +26,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from .generation import bad_request
-
 ANY_OBJECT = {"type": "object"}
 
 
@@ -269,16 +267,3 @@ def plan_tools(tools: list[dict] | None, tool_choice, parser_name: str | None) -
         raise ValueError(f"tools: a function's parameters are not a usable JSON schema "
                          f"({e})") from None
     return plan
-
-
-def tool_plan(body, parser_name: str | None) -> ToolPlan:
-    """What a ChatCompletionRequest's tools mean here; 400s name the field."""
-    choice = body.tool_choice
-    try:
-        return plan_tools([t.model_dump(exclude_none=True) for t in body.tools] if body.tools
-                          else None,
-                          choice.model_dump() if isinstance(choice, BaseModel) else choice,
-                          parser_name)
-    except ValueError as e:
-        name = str(e).partition(":")[0]
-        raise bad_request(str(e), param=name.split(".")[0].split("[")[0]) from None
