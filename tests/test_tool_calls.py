@@ -179,3 +179,20 @@ def test_bad_tool_requests_are_400s(server, engine, body, error):
     r = chat(server, **body)
     assert r.status_code == 400 and error in r.json()["message"], r.text
     wait_idle(engine)
+
+
+def test_the_openai_client_reads_the_calls(server, engine):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    kw = dict(model=MODEL_NAME, max_tokens=64, temperature=0, tools=[WEATHER, TIME],
+              messages=[{"role": "user", "content": "weather?"}],
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    message = client.chat.completions.create(**kw).choices[0].message
+    (call,) = message.tool_calls
+    assert call.function.name == "get_weather"
+    streamed = [d.tool_calls for chunk in client.chat.completions.create(stream=True, **kw)
+                for d in [chunk.choices[0].delta] if chunk.choices and d.tool_calls]
+    assert [c.function.arguments for calls in streamed for c in calls] == \
+        [call.function.arguments]
+    wait_idle(engine)
