@@ -9,14 +9,18 @@ thread -> rank 0 with no extra hop. It registers as the named actor ``replica:<i
 Failures: a supervisor thread watches the engine and the ranks. When a rank dies or a step
 hangs past the timeout, every live request ends with an abort finish reason (nobody hangs),
 the worker group is torn down and started afresh with an empty KV pool and radix cache, and the
-replica serves again; ``restarts`` counts how often. While it restarts, health answers 503.
+replica serves again; ``restarts`` counts how often. While it restarts, health and generation
+requests answer 503 (``RestartGate``). If the head itself dies, Ray restarts the actor
+(``max_restarts``): the new head starts fresh ranks and serves on the same port.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+import uuid
 from typing import AsyncIterator
 
 from ..scheduler.config import SchedulerConfig
@@ -26,7 +30,7 @@ from .async_engine import InProcessEngine
 from .engine import split_server_args
 from .engine_protocol import GenerateRequest, TokenOutput
 from .tp_worker import free_port
-from .worker_group import WorkerGroup, WorkerGroupError
+from .worker_group import WorkerGroup, WorkerGroupError, remove_placement_groups
 
 log = logging.getLogger(__name__)
 NAMESPACE = "radixray"
@@ -56,10 +60,13 @@ class SwappableEngine:
         self.current: InProcessEngine | None = None
 
     def _engine(self) -> InProcessEngine:
-        engine = self.current
-        if engine is None or not engine.alive:
+        if not self.ready:
             raise RuntimeError("replica is restarting")
-        return engine
+        return self.current
+
+    @property
+    def ready(self) -> bool:
+        return self.current is not None and self.current.alive
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenOutput]:
         async for out in self._engine().generate(req):
@@ -83,6 +90,32 @@ class SwappableEngine:
         return self.current.stats() if self.current is not None else {}
 
 
+GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")  # may stream
+
+
+class RestartGate:
+    """ASGI wrapper: while the replica restarts, generation requests get a 503 before the app
+    sees them. A streamed answer sends its 200 before the engine is asked, so without this a
+    stream would report the restart in-band, which the router cannot retry on another replica
+    (it retries a stream only until its first byte)."""
+
+    def __init__(self, app, engine: SwappableEngine):
+        from fastapi.responses import JSONResponse
+
+        from .generation import APIError
+        from .http_server import error_body
+
+        self.app, self.engine = app, engine
+        err = APIError(503, "replica is restarting", err_type="ServiceUnavailableError")
+        self.answers = {path: JSONResponse(error_body(path, err), status_code=503)
+                        for path in GENERATION_PATHS}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] in self.answers and not self.engine.ready:
+            return await self.answers[scope["path"]](scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 class ReplicaServer:
     """Ray actor class (see ``start_replica``). Construction returns once the model is loaded
     on every rank and the HTTP server listens."""
@@ -90,6 +123,7 @@ class ReplicaServer:
     def __init__(self, replica_id: str, model_path: str, server_args: dict, tp_size: int = 1,
                  host: str = "127.0.0.1", port: int | None = None, http_args: dict | None = None,
                  step_timeout_s: float = 60.0):
+        import ray
         import uvicorn
         from transformers import AutoTokenizer
 
@@ -104,11 +138,16 @@ class ReplicaServer:
         self.restarts = 0
         self.group: WorkerGroup | None = None
         self.engine = SwappableEngine()
+        self.pg_prefix = f"{ACTOR_PREFIX}{replica_id}/"  # names this replica's placement groups
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            n = remove_placement_groups(self.pg_prefix)  # the dead head's; its ranks died with it
+            log.warning("replica %s: head restarted by Ray; removed %d placement group(s) of "
+                        "its predecessor", replica_id, n)
         self._start_engine()
         self.host, self.port = host, port or free_port()
         http = ServerArgs(model_path=model_path, host=host, port=self.port, replica=replica_id,
                           extra=self.server_args, **(http_args or {}))
-        app = create_app(self.engine, self.tokenizer, http)
+        app = RestartGate(create_app(self.engine, self.tokenizer, http), self.engine)
         self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port,
                                                      log_level="warning"))
         threading.Thread(target=self._server.run, name="replica-http", daemon=True).start()
@@ -124,7 +163,8 @@ class ReplicaServer:
     # ------------------------------------------------------------------ lifecycle
     def _start_engine(self) -> None:
         """Start ranks, scheduler and scheduler thread; then point the HTTP app at them."""
-        group = WorkerGroup(self.runner_cfg, self.tp_size, step_timeout_s=self.step_timeout_s)
+        group = WorkerGroup(self.runner_cfg, self.tp_size, step_timeout_s=self.step_timeout_s,
+                            name=self.pg_prefix + uuid.uuid4().hex[:8])
         eos = set(group.info["eos_token_ids"])
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -180,9 +220,13 @@ class ReplicaServer:
         return f"http://{self.host}:{self.port}"
 
     def info(self) -> dict:
-        return {"url": self.get_url(), "restarts": self.restarts,
-                "healthy": self.engine.current is not None and self.engine.current.alive,
-                "worker_pids": self.group.pids() if self.group is not None else []}
+        group = self.group
+        try:
+            pids = group.pids() if group is not None else []
+        except Exception:  # a rank died and the supervisor has not replaced the group yet
+            pids = []
+        return {"url": self.get_url(), "restarts": self.restarts, "pid": os.getpid(),
+                "healthy": self.engine.ready, "worker_pids": pids}
 
     def check_invariant(self) -> int:
         """Assert the scheduler's memory invariant; returns the number of live requests."""
@@ -202,12 +246,15 @@ def start_replica(replica_id: str, model_path: str, server_args: dict, tp_size: 
                   http_args: dict | None = None, step_timeout_s: float = 60.0):
     """Create the named replica actor (``replica:<id>`` in namespace ``radixray``) and wait
     until it serves. Needs ``ray.init`` first. The head takes no CPU of its own so its ranks
-    get the node's cores."""
+    get the node's cores. Ray restarts a head whose process dies (its ranks die with it, as
+    their owner; the new head removes their placement group); ``ray.kill`` and the driver's
+    exit end it for good."""
     import ray
 
     actor = ray.remote(ReplicaServer).options(
         name=f"{ACTOR_PREFIX}{replica_id}", namespace=NAMESPACE, num_cpus=0,
-        max_concurrency=8).remote(replica_id, model_path, server_args, tp_size, host, port,
-                                  http_args, step_timeout_s)
+        max_concurrency=8, max_restarts=-1).remote(replica_id, model_path, server_args,
+                                                   tp_size, host, port, http_args,
+                                                   step_timeout_s)
     ray.get(actor.get_url.remote())
     return actor

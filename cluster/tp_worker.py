@@ -84,6 +84,7 @@ class TPWorker:
         self.runner: ModelRunner | None = None
         self.channel: BatchChannel | None = None  # tp > 1: the batch broadcast
         self._turn, self._next_seq = threading.Condition(), 0  # see forward
+        self._stopped = threading.Event()  # ends ``watch``
         threads = os.environ.get("RADIXRAY_TORCH_THREADS")
         if threads:
             torch.set_num_threads(int(threads))
@@ -146,8 +147,14 @@ class TPWorker:
             self.runner.forward(batch)
             steps += 1
 
+    def watch(self) -> None:
+        """Rank 0: returns only at ``stop``, so a pending call is a liveness probe (peers have
+        ``follow`` for that): it fails when the process dies, even between batches."""
+        self._stopped.wait()
+
     def stop(self) -> None:
         """Rank 0: release the peers from ``follow``; every rank: leave the group."""
+        self._stopped.set()
         if self.tp_size > 1 and dist.is_initialized() and self.rank == 0:
             self.channel.send(None)
 

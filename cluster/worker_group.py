@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import (PlacementGroup, placement_group, placement_group_table,
+                                      remove_placement_group)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..worker.forward_batch import ForwardBatch, ForwardOutput
@@ -30,13 +31,14 @@ class WorkerGroupError(RuntimeError):
 
 class WorkerGroup:
     def __init__(self, runner_cfg: RunnerConfig, tp_size: int = 1, step_timeout_s: float = 60.0,
-                 start_timeout_s: float = 300.0):
+                 start_timeout_s: float = 300.0, name: str = ""):
         self.tp_size, self.step_timeout_s = tp_size, step_timeout_s
         use_gpu = runner_cfg.device == "cuda"
         bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
-        self.pg = placement_group([dict(bundle) for _ in range(tp_size)], strategy="STRICT_PACK")
+        self.pg = placement_group([dict(bundle) for _ in range(tp_size)], strategy="STRICT_PACK",
+                                  name=name)
         self.workers: list = []
-        self.follow_refs: list = []
+        self.watch_refs: list = []  # calls that end only if their rank dies (check_peers)
         self._seq = 0  # batches submitted so far
         try:
             ray.get(self.pg.ready(), timeout=start_timeout_s)
@@ -45,9 +47,10 @@ class WorkerGroup:
                 strategy = PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=rank)
                 cfg = dataclasses.replace(runner_cfg, tp_rank=rank, tp_size=tp_size)
+                # threads: two forwards (overlap scheduling), watch or follow, control calls
                 self.workers.append(actor_cls.options(
                     num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                    scheduling_strategy=strategy, max_concurrency=4).remote(rank, tp_size, cfg))
+                    scheduling_strategy=strategy, max_concurrency=5).remote(rank, tp_size, cfg))
             addr = ray.get(self.workers[0].node_address.remote(), timeout=start_timeout_s)
             port = ray.get(self.workers[0].pick_port.remote(), timeout=start_timeout_s)
             infos = ray.get([w.init.remote(addr, port) for w in self.workers],
@@ -63,7 +66,8 @@ class WorkerGroup:
         self.max_running_requests = self.info["max_running_requests"]
         self.max_context_len = self.info["max_context_len"]
         self.host_pool_tokens = min(i["host_pool_tokens"] for i in infos)
-        self.follow_refs = [w.follow.remote() for w in self.workers[1:]]
+        self.watch_refs = ([self.workers[0].watch.remote()]
+                           + [w.follow.remote() for w in self.workers[1:]])
 
     def submit(self, batch: ForwardBatch):
         """Send a batch to rank 0 and return at once; batches run in submission order."""
@@ -83,14 +87,16 @@ class WorkerGroup:
         return self.result(self.submit(batch))
 
     def check_peers(self) -> None:
-        """Raise if a peer's ``follow`` loop has ended (it only ends by dying here)."""
-        done, _ = ray.wait(self.follow_refs, timeout=0) if self.follow_refs else ([], [])
+        """Raise if a rank died: rank 0's ``watch`` or a peer's ``follow`` loop has ended (they
+        only end by dying here). Rank 0 is watched too, or with nothing to run its death would
+        go unseen until the next request failed on it."""
+        done, _ = ray.wait(self.watch_refs, timeout=0) if self.watch_refs else ([], [])
         for ref in done:
             try:
                 ray.get(ref)
             except Exception as e:
-                raise WorkerGroupError(f"tensor-parallel peer died: {_reason(e)}") from e
-            raise WorkerGroupError("tensor-parallel peer left its loop")
+                raise WorkerGroupError(f"tensor-parallel rank died: {_reason(e)}") from e
+            raise WorkerGroupError("tensor-parallel rank left its loop")
 
     def pids(self) -> list[int]:
         return ray.get([w.pid.remote() for w in self.workers], timeout=30)
@@ -102,13 +108,27 @@ class WorkerGroup:
                 ray.kill(w, no_restart=True)
             except Exception:
                 pass
-        self.workers, self.follow_refs = [], []
+        self.workers, self.watch_refs = [], []
         if self.pg is not None:
             try:
                 remove_placement_group(self.pg)
             except Exception:
                 pass
             self.pg = None
+
+
+def remove_placement_groups(prefix: str) -> int:
+    """Remove every live placement group whose name starts with ``prefix``; returns how many.
+
+    For a replica head that Ray restarted: Ray removes an actor's placement groups only once
+    the actor is gone for good, so its predecessor's bundles stay reserved (its ranks died
+    with it) and the new ranks might never fit."""
+    removed = 0
+    for pg_id, entry in placement_group_table().items():
+        if entry["name"].startswith(prefix) and entry["state"] != "REMOVED":
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+            removed += 1
+    return removed
 
 
 def _reason(e: Exception) -> str:
