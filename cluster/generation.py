@@ -40,6 +40,12 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param, err_type="BadRequestError")
 
 
+def as_api_error(e: Exception) -> APIError:
+    """What a stream reports in-band when it fails after its 200: its own status if it has one."""
+    return e if isinstance(e, APIError) else APIError(
+        500, f"{type(e).__name__}: {e}", err_type="InternalServerError")
+
+
 # Request bodies from this size on are validated and tokenized in a worker thread. Tokenizing
 # a megabyte of text takes seconds (2.5 s for 2 MB on these CPUs), and on the event loop no
 # other request on the replica would be served meanwhile; the tokenizer releases the GIL while

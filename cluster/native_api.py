@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict
 from ..worker.sampling_params import SamplingParams
 from .detokenizer import token_texts
 from .engine_protocol import GenerateRequest
-from .generation import (SSE_DONE, RequestState, ServingContext, Session, bad_request,
+from .generation import (SSE_DONE, RequestState, ServingContext, Session, as_api_error, bad_request,
                          check_lengths, check_sampling_params, check_text, check_token_ids,
                          expand_copies, new_rid, run_all, sse)
 
@@ -173,7 +173,8 @@ async def stream_events(ctx: ServingContext, firsts: list[GenerateRequest],
                 yield sse(chunk)
         yield SSE_DONE
     except Exception as e:  # the status line is gone; report in-band, as SGLang does
-        yield sse({"error": {"message": f"{type(e).__name__}: {e}", "code": 500}})
+        err = as_api_error(e)
+        yield sse({"error": {"message": err.message, "code": err.code}})
         yield SSE_DONE
     finally:
         session.close()

@@ -13,10 +13,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from . import openai_api as oa
-from .tool_calls import ToolPlan, ToolStream
 from .generation import (SSE_DONE, APIError, RequestState, ServingContext, Session,
-                         collect_states, prepare_off_loop_if_large, run_all, sse,
+                         as_api_error, collect_states, prepare_off_loop_if_large, run_all, sse,
                          until_disconnect)
+from .tool_calls import ToolPlan, ToolStream
 
 
 def _abort_error(state: RequestState) -> APIError:
@@ -130,8 +130,7 @@ async def _completion_events(ctx, body: oa.CompletionRequest, base: str, firsts,
                                           oa.usage(states, n)))
         yield SSE_DONE
     except Exception as e:
-        yield _error_event(APIError(500, f"{type(e).__name__}: {e}",
-                                    err_type="InternalServerError"))
+        yield _error_event(as_api_error(e))
         yield SSE_DONE
     finally:
         session.close()
@@ -208,8 +207,7 @@ async def _chat_events(ctx, body: oa.ChatCompletionRequest, first, copies, sessi
                                           oa.usage(states, len(copies))))
         yield SSE_DONE
     except Exception as e:
-        yield _error_event(APIError(500, f"{type(e).__name__}: {e}",
-                                    err_type="InternalServerError"))
+        yield _error_event(as_api_error(e))
         yield SSE_DONE
     finally:
         session.close()

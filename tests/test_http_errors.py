@@ -318,3 +318,13 @@ def test_engine_failure_aborts_live_requests_instead_of_hanging(tiny_llama_path)
     finally:
         eng.shutdown()
     assert not eng.alive and isinstance(eng.failure, RuntimeError)
+
+
+def test_in_band_stream_errors_keep_their_status():
+    """A stream that fails after its 200 reports the error's own status in-band (a restart's
+    503 stays a 503, which clients may retry), anything unexpected as a 500."""
+    from radixray.cluster.generation import APIError, as_api_error
+
+    assert as_api_error(APIError(503, "replica is restarting")).code == 503
+    err = as_api_error(KeyError("k"))
+    assert err.code == 500 and err.message == "KeyError: 'k'"
