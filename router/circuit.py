@@ -2,7 +2,9 @@
 
 * closed: traffic flows; failures are remembered for ``window`` seconds, and ``failure_threshold``
   of them within the window open the circuit.
-* open: no traffic for ``cooldown`` seconds, then half-open.
+* open: no traffic for ``cooldown`` seconds, then half-open; or half-open at once when a health
+  check of the worker passes (``probe_passed``: it answers again, say after a restart, and a
+  cool-down would keep a one-replica deployment refusing everything for a minute).
 * half-open: one trial request at a time; ``success_threshold`` successes in a row close the
   circuit, any failure opens it again for another cool-down.
 
@@ -41,6 +43,14 @@ class CircuitBreaker:
             self._successes = 0
             self._trial_in_flight = False
         return self._state
+
+    def probe_passed(self) -> None:
+        """A health check of the worker passed: an open circuit goes half-open now, so trial
+        requests decide (a worker still failing them re-opens it)."""
+        if self.state == OPEN:
+            self._state = HALF_OPEN
+            self._successes = 0
+            self._trial_in_flight = False
 
     def allows(self) -> bool:
         """Whether a request may be sent now (does not reserve the half-open trial slot)."""

@@ -43,6 +43,7 @@ _FLAGS = [
     ("--breaker-success-threshold", int, "successful trials that close a circuit"),
     ("--request-timeout", float, "seconds a worker may take to answer"),
     ("--connect-timeout", float, "seconds to connect to a worker"),
+    ("--shutdown-timeout", float, "seconds in-flight requests get to finish on SIGTERM"),
     ("--ray-address", str, "Ray cluster to watch for replicas (e.g. auto or ray://host:10001)"),
     ("--ray-namespace", str, "namespace the replicas register in"),
     ("--ray-actor-prefix", str, "name prefix of replica actors"),
@@ -84,7 +85,8 @@ def serve(config: RouterConfig) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request is noise
     uvicorn.run(build_app(config), host=config.host, port=config.port,
-                log_level=config.log_level, access_log=False)
+                log_level=config.log_level, access_log=False,
+                timeout_graceful_shutdown=config.shutdown_timeout)
 
 
 def run_router(argv: list[str] | None = None) -> None:

@@ -75,6 +75,9 @@ class RouterConfig:
     queue_size: int = 128
     queue_timeout: float = 60.0
     request_timeout: float = 1800.0  # SGLang's; long generations are legitimate
+    # On SIGTERM, requests in flight get this long to finish, then are cut: within Kubernetes'
+    # default 30 s grace period, and a long generation cannot hold a shutdown for minutes.
+    shutdown_timeout: float = 25.0
     connect_timeout: float = 5.0
 
     # --- Ray discovery ---------------------------------------------------------------------------
@@ -115,7 +118,7 @@ class RouterConfig:
         for name in ("eviction_interval", "health_check_interval", "health_check_timeout",
                      "retry_initial_backoff", "retry_max_backoff", "breaker_window",
                      "breaker_cooldown", "queue_timeout", "request_timeout", "connect_timeout",
-                     "discovery_interval"):
+                     "shutdown_timeout", "discovery_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0")
         for name in ("health_failure_threshold", "breaker_failure_threshold",

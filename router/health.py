@@ -45,6 +45,7 @@ class HealthChecker:
             if not worker.healthy:
                 log.info("worker %s is healthy again", worker.url)
             self.registry.mark_healthy(worker)
+            worker.breaker.probe_passed()
             if not worker.server_info_read and self.config.tree_chars_per_token > 0:
                 await self.read_capacity(worker)
         else:

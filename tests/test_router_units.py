@@ -66,6 +66,20 @@ class TestBreaker:
         b.record_success()
         assert b.state == CLOSED
 
+    def test_a_passing_health_check_ends_the_cool_down(self):
+        clock = Clock()
+        b = CircuitBreaker(failure_threshold=1, window=10, cooldown=60, success_threshold=1,
+                           clock=clock)
+        b.probe_passed()  # closed: nothing to do
+        assert b.state == CLOSED
+        b.record_failure()
+        clock.t += 1
+        b.probe_passed()
+        assert b.state == HALF_OPEN and b.allows()
+        b.on_send()
+        b.record_failure()  # still failing real requests: open for a full cool-down again
+        assert b.state == OPEN
+
     def test_failed_trial_reopens(self):
         clock = Clock()
         b = CircuitBreaker(failure_threshold=1, window=10, cooldown=5, success_threshold=1,
