@@ -45,14 +45,22 @@ def downstream_headers(headers) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
 
 
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 429: "TooManyRequests",
+               502: "BadGatewayError", 503: "ServiceUnavailableError"}
+
+
 def error_response(route: str, status: int, message: str) -> JSONResponse:
-    """An error in the style of the route: OpenAI's for /v1/..., SGLang's native otherwise."""
+    """An error in the style of the route, shaped as a replica's own (SGLang's): OpenAI's for
+    /v1/..., SGLang's native otherwise. A client error's message starts with its field, which
+    becomes ``param``."""
+    field = message.partition(":")[0] if status < 500 and ":" in message else ""
+    param = field if field and " " not in field else None
     if route.startswith("/v1/"):
-        kind = "invalid_request_error" if status < 500 else "server_error"
-        body = {"object": "error", "message": message, "type": kind, "param": None,
+        kind = ERROR_TYPES.get(status, "InternalServerError" if status >= 500 else "Error")
+        body = {"object": "error", "message": message, "type": kind, "param": param,
                 "code": status}
     else:
-        body = {"error": {"message": message, "code": status}}
+        body = {"error": {"message": message, "code": status, "param": param}}
     return JSONResponse(body, status_code=status)
 
 

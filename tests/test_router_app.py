@@ -179,8 +179,11 @@ def test_bad_input_is_400_without_touching_a_worker(make_cluster, route, content
     r = client.post(route, content=content, headers={"content-type": "application/json"})
     assert r.status_code == 400
     payload = r.json()
-    message = payload["message"] if route.startswith("/v1/") else payload["error"]["message"]
-    assert message.startswith(field)
+    error = payload if route.startswith("/v1/") else payload["error"]
+    assert error["message"].startswith(field)
+    assert error["param"] == field.split("[")[0]  # shaped as a replica's own 400
+    if route.startswith("/v1/"):
+        assert payload["object"] == "error" and payload["type"] == "BadRequestError"
     assert fakes[0].requests == 0
 
 
