@@ -36,6 +36,16 @@ def tiny_qwen2_path(tmp_path_factory) -> str:
                       tie_word_embeddings=True, **TINY)
 
 
+@pytest.fixture(params=["sync", "overlap"])
+def runner_kind(request):
+    """For scheduler tests (scheduler_harness.py): run once without and once with overlap
+    scheduling."""
+    import scheduler_harness
+
+    scheduler_harness.use_runner(request.param)
+    yield request.param
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray cluster for the whole test session (start-up costs ~4 s).
