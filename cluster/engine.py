@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..scheduler.config import SchedulerConfig
 from ..scheduler.request import Req, RequestOutput
@@ -125,6 +125,8 @@ class Engine:
         keys. The other per-request arguments take one value or a list. With ``n > 1`` each
         prompt's samples follow each other in the result.
         """
+        if self.scheduler is None:  # before anything reads the model config it dropped
+            raise RuntimeError("the engine has been shut down")
         single, ids = self._token_ids(prompt, input_ids)
         count = len(ids)
         params = _per_request(sampling_params, count, "sampling_params", dict)
@@ -138,10 +140,14 @@ class Engine:
         reqs = []
         for i in range(count):
             params[i].verify(self.runner.model_config.vocab_size)
-            for k in range(params[i].n):
-                base = per["rid"][i] or uuid.uuid4().hex
+            base, sp = per["rid"][i] or uuid.uuid4().hex, params[i]
+            for k in range(sp.n):
+                # copy k samples with seed + k, as the HTTP API's copies do: one seed for all
+                # would make the n samples identical
+                copy = sp if sp.n == 1 else replace(
+                    sp, n=1, seed=None if sp.seed is None else sp.seed + k)
                 reqs.append(Req(
-                    base if params[i].n == 1 else f"{base}-{k}", ids[i], params[i],
+                    base if sp.n == 1 else f"{base}-{k}", ids[i], copy,
                     return_logprob=per["return_logprob"][i],
                     logprob_start_len=per["logprob_start_len"][i],
                     top_logprobs_num=per["top_logprobs_num"][i], priority=per["priority"][i],

@@ -1,6 +1,7 @@
 """Grammar compilation for constrained decoding, with xgrammar.
 
-- ``GrammarBackend`` compiles ``(kind, text)`` grammars on a small thread pool. ``submit``
+- ``GrammarBackend`` compiles ``(kind, text)`` grammars on a small thread pool (a compile
+  past the timeout frees its pool thread and finishes in its own). ``submit``
   returns a ``GrammarFuture`` at once; the scheduler polls ``done()`` and never waits.
   Compiled grammars are cached by ``(kind, text)``, and concurrent submits of one grammar share
   one compilation. ``new_state`` makes a request's ``GrammarState`` (see grammar_state.py).
@@ -184,7 +185,8 @@ class GrammarBackend:
         with self._lock:
             future = self._cache.get(key)
             if future is None:
-                future = self._pool.submit(self._compile, kind, text)
+                future = Future()
+                self._pool.submit(self._run, future, kind, text)
                 self._cache[key] = future
                 self.num_compiles += 1
                 self._evict()
@@ -200,6 +202,21 @@ class GrammarBackend:
                   output_ids: Sequence[int] = ()) -> "GrammarState":
         """A matcher for one request, advanced over ``output_ids`` (see ``from_tokens``)."""
         return GrammarState.from_tokens(compiled, self.vocab, output_ids)
+
+    def _run(self, future: Future, kind: str, text: str) -> None:
+        """On a pool thread: compile in a thread of its own, and hold this pool thread only
+        until the timeout. Python cannot stop a compilation; one past every deadline carries
+        on (and is cached when done) without making the grammars queued behind it time out."""
+        worker = threading.Thread(target=self._compile_into, args=(future, kind, text),
+                                  name="grammar-compile", daemon=True)
+        worker.start()
+        worker.join(self.compile_timeout_s)
+
+    def _compile_into(self, future: Future, kind: str, text: str) -> None:
+        try:
+            future.set_result(self._compile(kind, text))
+        except BaseException as exc:
+            future.set_exception(exc)
 
     def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
         try:

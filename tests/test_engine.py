@@ -213,3 +213,25 @@ def test_overlap_defaults_off_for_an_in_process_cpu_runner(tiny_llama_path):
                 tiny_llama_path, [1, 2, 3], 3)
     with pytest.raises(ValueError, match="disable_overlap_schedule"):
         Engine(tiny_llama_path, disable_overlap_schedule="yes")
+
+
+def test_n_copies_are_seeded_apart_like_the_http_api(tiny_llama_path):
+    """Copy i of an n > 1 request samples with seed + i, as /generate's copies do (before, all
+    copies shared the seed and came out identical), and the copies' ids share one base."""
+    sampled = {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True, "seed": 5}
+    with Engine(tiny_llama_path, max_total_tokens=2048) as engine:
+        outs = engine.generate(input_ids=[1, 2, 3], sampling_params={**sampled, "n": 3})
+        alone = [engine.generate(input_ids=[1, 2, 3], sampling_params={**sampled, "seed": s})
+                 for s in (5, 6, 7)]
+        assert [o["output_ids"] for o in outs] == [a["output_ids"] for a in alone]
+        assert len({tuple(o["output_ids"]) for o in outs}) == 3
+        bases = {o["meta_info"]["id"].rsplit("-", 1)[0] for o in outs}
+        assert len(bases) == 1 and outs[2]["meta_info"]["id"].endswith("-2")
+        assert_clean(engine)
+
+
+def test_generate_after_shutdown_says_so(tiny_llama_path):
+    engine = Engine(tiny_llama_path, max_total_tokens=512)
+    engine.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):  # was an AttributeError on None
+        engine.generate(input_ids=[1, 2, 3])

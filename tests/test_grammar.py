@@ -11,6 +11,7 @@ import ast
 import json
 import re
 import threading
+import time
 
 import jsonschema
 import pytest
@@ -340,4 +341,32 @@ def test_submit_never_blocks_and_times_out(tokenizer):
     backend.compile_timeout_s = 30.0
     late = backend.submit("regex", "[a-z]+")
     assert late.result(wait=True) is not None and backend.num_compiles == 1
+    backend.shutdown()
+
+
+def test_an_overdue_compile_gives_its_thread_to_the_next_grammar(tokenizer):
+    """Python cannot stop a compilation past its deadline; it carries on, but not on the pool
+    thread the next grammars need. Before, two slow grammars on the replica's 2 threads made
+    every other grammar queued behind them abort with "compilation timed out" (found with
+    --grammar-compile-timeout 1 and two 5000-key schemas)."""
+    backend = GrammarBackend(tokenizer, VOCAB, num_threads=1, compile_timeout_s=0.5)
+    gate, real = threading.Event(), backend._compile
+
+    def compile_(kind, text):  # "slow+" stands for a grammar that takes long to compile
+        if text == "slow+":
+            gate.wait()
+        return real(kind, text)
+
+    backend._compile = compile_
+    try:
+        slow = backend.submit("regex", "slow+")
+        with pytest.raises(GrammarError, match="^regex: compilation timed out after 0.5 s"):
+            slow.result(wait=True)
+        time.sleep(0.05)  # the pool's own deadline for the slow compile has passed too
+        assert backend.submit("regex", "[a-z]+").result(wait=True) is not None
+    finally:
+        gate.set()  # the slow compilation finishes (in its own thread) and is cached
+    backend.compile_timeout_s = 30.0
+    assert backend.submit("regex", "slow+").result(wait=True) is not None
+    assert backend.num_compiles == 2
     backend.shutdown()
