@@ -110,8 +110,8 @@ class ConstrainedDecoding:
                 continue
             try:
                 compiled = future.result()
-            except GrammarError as e:
-                req.finish_reason = FinishReason.abort(str(e))
+            except GrammarError as e:  # the client's grammar: a 400 on the OpenAI API
+                req.finish_reason = FinishReason.abort(str(e), status_code=400)
                 done.append((req, []))
                 continue
             req.grammar = self.backend.new_state(compiled, req.output_ids)

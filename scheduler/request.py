@@ -39,6 +39,7 @@ class FinishReason:
     matched: int | str | None = None  # stop: the token id or stop string that matched
     length: int | None = None  # length: the number of generated tokens
     message: str | None = None  # abort: what went wrong
+    status_code: int | None = None  # abort: the HTTP status it means (400: the client's input)
 
     @classmethod
     def stop(cls, matched: int | str) -> "FinishReason":
@@ -49,15 +50,18 @@ class FinishReason:
         return cls("length", length=length)
 
     @classmethod
-    def abort(cls, message: str) -> "FinishReason":
-        return cls("abort", message=message)
+    def abort(cls, message: str, status_code: int | None = None) -> "FinishReason":
+        return cls("abort", message=message, status_code=status_code)
 
     def to_dict(self) -> dict:
         if self.type == "stop":
             return {"type": "stop", "matched": self.matched}
         if self.type == "length":
             return {"type": "length", "length": self.length}
-        return {"type": "abort", "message": self.message}
+        out = {"type": "abort", "message": self.message}
+        if self.status_code is not None:
+            out["status_code"] = self.status_code
+        return out
 
 
 class Req:

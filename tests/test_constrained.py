@@ -261,6 +261,7 @@ def test_grammar_queue_timeout_abort_and_gauge(tiny_llama_path):
         assert final["free"].completion_tokens == 3
         reason = final["slow"].finish_reason
         assert reason.type == "abort" and reason.message.startswith("regex: compilation timed out")
+        assert reason.to_dict()["status_code"] == 400  # the client's grammar: a 400 on /v1
         assert s.metrics()["num_grammar_queue_reqs"] == 0
 
 
