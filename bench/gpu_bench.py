@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_common import (CARDS, LLAMA3_8B, TINY, Report, bootstrap_import,  # noqa: E402
-                        kernel_profile, write_config)
+                        kernel_profile, seconds_per_call, sync, write_config)
 
 bootstrap_import()
 
@@ -107,7 +107,7 @@ class Bench:
                                 [0] * len(idx), [self.ctx] * len(idx),
                                 torch.cat([self.ctx_slots[i] for i in idx]))
             self.runner.forward(batch)
-        self._sync()
+        sync()
 
     def decode_batch(self, bs: int) -> ForwardBatch:
         return self._batch(self.decode_ids[:bs], [self.ctx] * bs, range(1, bs + 1),
@@ -118,23 +118,9 @@ class Bench:
         return self._batch(self.prefill_ids[:tokens], range(tokens), [row], [0], [tokens],
                            self.prefill_slots[:tokens])
 
-    def _sync(self) -> None:
-        if self.dev.type == "cuda":
-            torch.cuda.synchronize()
-
     def _time(self, step, warmup: int, iters: int) -> float:
         """Seconds per step; each step ends by reading its tokens back, as a scheduler does."""
-        return self._seconds(lambda: step().next_token_ids.cpu(), warmup, iters)
-
-    def _seconds(self, fn, warmup: int, iters: int) -> float:
-        """Seconds per call of ``fn`` (which must finish its GPU work itself), after warm-up."""
-        for _ in range(warmup):
-            fn()
-        self._sync()
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - start) / iters
+        return seconds_per_call(lambda: step().next_token_ids.cpu(), warmup, iters)
 
     # ------------------------------------------------------------------------------------
     def decode(self, backend: str, graphs, bs: int) -> None:
@@ -170,9 +156,9 @@ class Bench:
 
         def replay():
             graph.replay()
-            self._sync()
+            sync()
 
-        parts = {"replay": self._seconds(replay, self.args.warmup, self.args.iters),
+        parts = {"replay": seconds_per_call(replay, self.args.warmup, self.args.iters),
                  "sampler": self._time(lambda: self.runner.sampler(logits, batch),
                                        self.args.warmup, self.args.iters)}
         rest = full - parts["replay"] - parts["sampler"]

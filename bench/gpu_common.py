@@ -1,5 +1,5 @@
 """Shared by the GPU benchmarks (gpu_bench.py, gpu_kernels.py): card figures, ``import
-radixray`` from a plain checkout, the Llama-3-8B model shape, the result report, and a
+radixray`` from a plain checkout, the Llama-3-8B model shape, the result report, timing, and a
 kernel profile."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import types
 
 # Card figures: HBM bandwidth (bytes/s) and dense bf16 matmul peak (FLOP/s).
@@ -66,6 +67,25 @@ class Report:
         if self.path:
             with open(self.path, "w") as f:
                 json.dump(self.data, f, indent=1)
+
+
+def sync() -> None:
+    """Wait for the GPU's queued work (nothing to wait for on the CPU)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def seconds_per_call(fn, warmup: int, iters: int) -> float:
+    """Seconds per call of ``fn`` (which must finish its GPU work itself), after warm-up."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - start) / iters
 
 
 def kernel_profile(fn, top: int = 10) -> tuple[int, float, list[dict]]:

@@ -22,12 +22,11 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_common import CARDS, bootstrap_import  # noqa: E402
+from gpu_common import CARDS, bootstrap_import, seconds_per_call  # noqa: E402
 
 bootstrap_import()
 
@@ -41,10 +40,7 @@ SMOKE_SHAPES = dict(heads=4, kv_heads=2, dim=16, hidden=64, inter=128)
 def timed_ms(args, fn) -> float:
     """Milliseconds per call: do_bench on a GPU; a plain mean under --smoke."""
     if args.smoke:
-        start = time.perf_counter()
-        for _ in range(3):
-            fn()
-        return (time.perf_counter() - start) / 3 * 1e3
+        return seconds_per_call(fn, 0, 3) * 1e3
     import triton.testing
 
     return triton.testing.do_bench(fn)

@@ -21,9 +21,9 @@ from pydantic import BaseModel, ConfigDict
 from ..worker.sampling_params import SamplingParams
 from .detokenizer import token_texts
 from .engine_protocol import GenerateRequest
-from .generation import (SSE_DONE, RequestState, ServingContext, Session, as_api_error, bad_request,
-                         check_lengths, check_sampling_params, check_text, check_token_ids,
-                         expand_copies, new_rid, run_all, sse)
+from .generation import (SSE_DONE, RequestState, ServingContext, Session, as_api_error,
+                         bad_request, expand_copies, new_rid, run_all, sse)
+from .request_checks import check_lengths, check_sampling_params, check_text, check_token_ids
 
 IntOrList = int | list[int] | None
 BoolOrList = bool | list[bool] | None

@@ -19,9 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..worker.sampling_params import SamplingParams
 from .detokenizer import token_texts
 from .engine_protocol import GenerateRequest
-from .generation import (APIError, RequestState, ServingContext, bad_request,
-                         check_lengths, check_sampling_params, check_text, check_token_ids,
-                         expand_copies, new_rid)
+from .generation import (APIError, RequestState, ServingContext, bad_request, expand_copies,
+                         new_rid)
+from .request_checks import check_lengths, check_sampling_params, check_text, check_token_ids
 from .tool_calls import NamedToolChoice, Tool, ToolPlan, plan_tools, template_message
 
 # SamplingParams name -> the OpenAI field a client wrote

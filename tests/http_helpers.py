@@ -9,6 +9,7 @@ import threading
 import time
 
 import httpx
+import pytest
 import uvicorn
 from transformers import AutoTokenizer
 
@@ -53,6 +54,25 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+def serving_fixtures(**server_args):
+    """Module-scoped fixtures ``engine`` (the tiny model in process) and ``server`` (HTTP over
+    it, with ``server_args``): write ``engine, server = serving_fixtures()`` in a module."""
+
+    @pytest.fixture(scope="module")
+    def engine(tiny_llama_path):
+        eng = make_engine(tiny_llama_path)
+        yield eng
+        eng.shutdown()
+
+    @pytest.fixture(scope="module")
+    def server(engine, tiny_llama_path):
+        srv = ServerThread(engine, tiny_llama_path, **server_args)
+        with srv:
+            yield srv
+
+    return engine, server
 
 
 def wait_idle(engine: InProcessEngine, timeout: float = 10.0) -> None:

@@ -10,23 +10,13 @@ import time
 import httpx
 import pytest
 
-from http_helpers import MODEL_NAME, ServerThread, make_engine, wait_idle
+from http_helpers import (MODEL_NAME, ServerThread, make_engine, post_stream, serving_fixtures,
+                          wait_idle)
 
 LONG = {"max_new_tokens": 1500, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_llama_path):
-    eng = make_engine(tiny_llama_path)
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(engine, tiny_llama_path):
-    srv = ServerThread(engine, tiny_llama_path)
-    with srv:
-        yield srv
+engine, server = serving_fixtures()
 
 
 @pytest.fixture
@@ -291,6 +281,14 @@ def test_health_is_503_when_stuck_or_not_running(engine, tiny_llama_path):
         assert httpx.get(url + "/health", timeout=10).status_code == 503
         r = httpx.post(url + "/generate", json={"text": "a"}, timeout=10)
         assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
+        # streamed, the 200 has gone out: the error comes in-band with its own status
+        with httpx.Client(base_url=url, timeout=10) as c:
+            for path, body in [("/generate", {"text": "a"}),
+                               ("/v1/completions", {"model": MODEL_NAME, "prompt": "a"}),
+                               ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [
+                                   {"role": "user", "content": "a"}]})]:
+                error = post_stream(c, path, {**body, "stream": True})[0]["error"]
+                assert error["code"] == 503 and "not running" in error["message"], path
     wait_idle(engine)
 
 
@@ -318,13 +316,3 @@ def test_engine_failure_aborts_live_requests_instead_of_hanging(tiny_llama_path)
     finally:
         eng.shutdown()
     assert not eng.alive and isinstance(eng.failure, RuntimeError)
-
-
-def test_in_band_stream_errors_keep_their_status():
-    """A stream that fails after its 200 reports the error's own status in-band (a restart's
-    503 stays a 503, which clients may retry), anything unexpected as a 500."""
-    from radixray.cluster.generation import APIError, as_api_error
-
-    assert as_api_error(APIError(503, "replica is restarting")).code == 503
-    err = as_api_error(KeyError("k"))
-    assert err.code == 500 and err.message == "KeyError: 'k'"

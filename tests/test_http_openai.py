@@ -8,21 +8,10 @@ import httpx
 import openai
 import pytest
 
-from http_helpers import MODEL_NAME, ServerThread, make_engine, post_stream, wait_idle
+from http_helpers import MODEL_NAME, post_stream, serving_fixtures, wait_idle
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_llama_path):
-    eng = make_engine(tiny_llama_path)
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(engine, tiny_llama_path):
-    srv = ServerThread(engine, tiny_llama_path)
-    with srv:
-        yield srv
+engine, server = serving_fixtures()
 
 
 @pytest.fixture

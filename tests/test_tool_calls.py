@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from http_helpers import MODEL_NAME, ServerThread, make_engine, post_stream, wait_idle
+from http_helpers import MODEL_NAME, post_stream, serving_fixtures, wait_idle
 from radixray.cluster.tool_calls import (HermesParser, Llama3JsonParser, ToolCall, ToolStream,
                                          plan_tools)
 
@@ -98,18 +98,7 @@ def test_plans():
 # ---------------------------------------------------------------- through the server
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_llama_path):
-    eng = make_engine(tiny_llama_path)
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(engine, tiny_llama_path):
-    srv = ServerThread(engine, tiny_llama_path, tool_call_parser="qwen25")
-    with srv:
-        yield srv
+engine, server = serving_fixtures(tool_call_parser="qwen25")
 
 
 def chat(server, **body):

@@ -113,8 +113,9 @@ def filter_logits(logits: torch.Tensor, temperature, top_k, top_p, min_p,
     """
     device, vocab = logits.device, logits.shape[1]
     temperature, top_p, min_p = (_host_list(v, float) for v in (temperature, top_p, min_p))
-    use_k = [0 < k < vocab for k in _host_list(top_k, int)]
-    k = [k if use else vocab for k, use in zip(_host_list(top_k, int), use_k)]
+    top_k = _host_list(top_k, int)
+    use_k = [0 < k < vocab for k in top_k]
+    k = [k if use else vocab for k, use in zip(top_k, use_k)]
     use_p = [p < 1.0 for p in top_p]
     x = logits / to_device(temperature, device).unsqueeze(1)
     if any(use_k) or any(use_p):

@@ -1,0 +1,67 @@
+"""Request validation shared by the native and OpenAI APIs: each check raises a 400
+(``generation.bad_request``) whose message starts with the client's field name."""
+
+from __future__ import annotations
+
+import json
+
+from ..scheduler.grammar import validate_grammar
+from ..worker.sampling_params import SamplingParams
+from .generation import bad_request
+
+
+def check_sampling_params(sp: SamplingParams, vocab_size: int | None,
+                          rename: dict[str, str] | None = None) -> None:
+    """``sp.verify`` plus type checks it leaves out; raises a 400 naming the client's field
+    (``rename`` maps SamplingParams names to the API's, e.g. max_new_tokens -> max_tokens)."""
+    rename = rename or {}
+    try:
+        sp.verify(vocab_size)
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                     "no_stop_trim"):
+            if not isinstance(getattr(sp, name), bool):
+                raise ValueError(f"{name}: must be true or false")
+        for name in ("regex", "json_schema", "ebnf"):
+            if getattr(sp, name) is not None and not isinstance(getattr(sp, name), str):
+                raise ValueError(f"{name}: must be a string")
+        if isinstance(sp.json_schema, str):
+            try:
+                json.loads(sp.json_schema)
+            except ValueError as e:
+                raise ValueError(f"json_schema: not valid JSON ({e})") from None
+        if sp.constraint is not None:  # parses it (no compilation); names the problem
+            validate_grammar(*sp.constraint)
+    except ValueError as e:
+        name, _, msg = str(e).partition(": ")
+        name = rename.get(name, name)
+        raise bad_request(f"{name}: {msg}", param=name) from None
+
+
+def check_lengths(prompt_len: int, max_new_tokens: int, context_len: int, prompt_field: str,
+                  max_field: str) -> None:
+    """400 when the prompt is empty, alone fills the context, or prompt + completion exceed it."""
+    if prompt_len == 0:
+        raise bad_request(f"{prompt_field}: the prompt is empty", param=prompt_field)
+    if prompt_len >= context_len:
+        raise bad_request(f"{prompt_field}: the prompt has {prompt_len} tokens; the model's "
+                          f"context length is {context_len}", param=prompt_field)
+    if prompt_len + max_new_tokens > context_len:
+        raise bad_request(f"{max_field}: {max_new_tokens} new tokens after a {prompt_len}-token "
+                          f"prompt exceed the context length of {context_len} tokens",
+                          param=max_field)
+
+
+def check_text(text: str, field_name: str) -> None:
+    """400 when ``text`` cannot be encoded as UTF-8: JSON may escape a lone UTF-16 surrogate
+    ("\\ud800") that json.loads keeps, and the tokenizer then fails with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad_request(f"{field_name}: not valid Unicode text (a lone surrogate at character "
+                          f"{e.start})", param=field_name) from None
+
+
+def check_token_ids(ids: list[int], vocab_size: int, field_name: str) -> None:
+    if any(t < 0 or t >= vocab_size for t in ids):
+        raise bad_request(f"{field_name}: token ids must be in [0, {vocab_size})",
+                          param=field_name)
