@@ -17,6 +17,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
+from ..router.disconnect import until_disconnect as await_unless_disconnected
 from .detokenizer import IncrementalDetokenizer
 from .engine_protocol import EngineClient, GenerateRequest, TokenOutput
 
@@ -308,21 +309,8 @@ async def until_disconnect(request, coro):
     engine streams, which aborts the requests and frees their KV) and return a bare 499."""
     from starlette.responses import Response
 
-    async def watch():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    work, watcher = asyncio.ensure_future(coro), asyncio.ensure_future(watch())
-    try:
-        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not work.done():
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
-    if work.cancelled():
-        return Response(status_code=499)
-    return work.result()
+    answer = await await_unless_disconnected(request, coro)
+    return Response(status_code=499) if answer is None else answer
 
 
 def sse(obj) -> str:

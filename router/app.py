@@ -30,6 +30,7 @@ from .health import HealthChecker
 from .metrics import RouterMetrics
 from .policies import RequestInfo, make_policy
 from .proxy import Proxy, downstream_headers, error_response, upstream_headers
+from .disconnect import until_disconnect
 from .request import BadRequest, request_text, routing_key
 from .tree import ApproxRadixTree
 from .workers import WorkerRegistry, normalize_url
@@ -39,30 +40,6 @@ log = logging.getLogger("radixray.router")
 GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 INFO_ROUTES = ("/get_model_info", "/model_info", "/get_server_info", "/server_info",
                "/v1/models", "/health_generate")
-
-
-async def until_disconnect(request: Request, coro):
-    """Await ``coro``, or cancel it and return None if the client disconnects first.
-
-    Starlette does not cancel a handler whose client went away, so without this a client that
-    hangs up on a non-streamed request (or on a stream before its first byte) leaves the
-    upstream request running, and the worker generating, to the end. Cancelling the forward
-    closes the upstream connection, which makes the worker abort the request and free its KV.
-    """
-
-    async def watch():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    work, watcher = asyncio.ensure_future(coro), asyncio.ensure_future(watch())
-    try:
-        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not work.done():
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
-    return None if work.cancelled() else work.result()
 
 
 class Router:
