@@ -49,6 +49,10 @@ class InProcessEngine:
         self._tp = (time.monotonic(), 0)  # (time, generated tokens) at the last throughput mark
         self._throughput = 0.0
         self.tokenizer = None  # set by from_model
+        # Names what this engine's radix cache holds: new per engine (a restarted replica builds
+        # a new one), bumped by each flush. The router drops its picture of a worker's cache
+        # when the epoch it sees changes.
+        self._cache_id, self._flushes = uuid.uuid4().hex[:12], 0
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -114,7 +118,13 @@ class InProcessEngine:
         self._send(("abort", rid))
 
     async def flush_cache(self) -> bool:
-        return await self.call(lambda s: s.flush_cache())
+        flushed = await self.call(lambda s: s.flush_cache())
+        if flushed:
+            self._flushes += 1
+        return flushed
+
+    def cache_epoch(self) -> str:
+        return f"{self._cache_id}.{self._flushes}"
 
     async def health_check(self, timeout: float) -> bool:
         """One greedy token through the real scheduler and model. A timeout still counts as

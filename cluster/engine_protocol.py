@@ -64,6 +64,11 @@ class EngineClient(Protocol):
         """Drop the radix cache. False when requests are running (nothing is flushed)."""
         ...
 
+    def cache_epoch(self) -> str:
+        """Changes whenever the radix cache is emptied (a new engine, a flush); the HTTP server
+        sends it on every answer so that the router notices."""
+        ...
+
     async def health_check(self, timeout: float) -> bool:
         """Run a one-token generation through the real scheduler and model path."""
         ...

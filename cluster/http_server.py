@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
 from .. import __version__
+from ..router.config import CACHE_EPOCH_HEADER
 from . import native_api, openai_api
 from .engine_protocol import EngineClient
 from .generation import (APIError, ServingContext, bad_request, collect_states,
@@ -102,6 +103,26 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class CacheEpochHeader:
+    """Adds the engine's cache epoch to every answer (pure ASGI, as ApiKeyMiddleware), so the
+    router sees a restart or a flush on the next answer, not at its next health check."""
+
+    def __init__(self, app, engine: EngineClient):
+        self.app, self.engine = app, engine
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_epoch(message):
+            if message["type"] == "http.response.start":
+                epoch = (CACHE_EPOCH_HEADER.encode(), self.engine.cache_epoch().encode())
+                message = {**message, "headers": [*message.get("headers", []), epoch]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_epoch)
+
+
 def _model_config(model_path: str) -> dict:
     try:
         with open(os.path.join(model_path, "config.json")) as f:
@@ -134,6 +155,7 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
     app.state.ctx = ctx
     if args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
+    app.add_middleware(CacheEpochHeader, engine=engine)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):

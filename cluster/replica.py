@@ -79,6 +79,9 @@ class SwappableEngine:
     async def flush_cache(self) -> bool:
         return await self._engine().flush_cache()
 
+    def cache_epoch(self) -> str:
+        return self.current.cache_epoch() if self.current is not None else "restarting"
+
     async def health_check(self, timeout: float) -> bool:
         engine = self.current
         return engine is not None and await engine.health_check(timeout)

@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 from .admission import Admission, Rejected
 from .circuit import STATE_NAMES
-from .config import RouterConfig
+from .config import CACHE_EPOCH_HEADER, RouterConfig
 from .health import HealthChecker
 from .metrics import RouterMetrics
 from .policies import RequestInfo, make_policy
@@ -186,6 +186,7 @@ class Router:
         async def flush(worker):
             try:
                 resp = await self.client.post(worker.url + "/flush_cache", headers=headers)
+                self.registry.observe_epoch(worker, resp.headers.get(CACHE_EPOCH_HEADER))
                 return worker, resp.status_code, resp.text
             except httpx.HTTPError as exc:
                 return worker, 502, f"{type(exc).__name__}: {exc}"

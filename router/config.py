@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 WORKER_API_KEY_ENV = "RADIXRAY_WORKER_API_KEY"
+# Sent by a replica on every answer: changes whenever its radix cache is emptied (restart, flush),
+# so the router forgets the prefixes it believed cached there.
+CACHE_EPOCH_HEADER = "x-radixray-cache-epoch"
 POLICY_NAMES = ("cache_aware", "round_robin", "random", "power_of_two", "least_load",
                 "consistent_hash")
 

@@ -9,7 +9,8 @@ counts as one token.
 
 Knobs on the FakeWorker object (tests flip them while it serves): ``fail_status`` answers every
 generation with that status; ``delay`` waits before answering; ``chunk_delay`` paces stream
-chunks; ``health_status`` is what /health returns. A client that disconnects during ``delay``
+chunks; ``health_status`` is what /health returns; ``restart()`` empties the cache as a restarted
+engine's (every answer carries the cache epoch header, as a replica's). A client that disconnects during ``delay``
 is counted in ``cancelled_requests``, the way an engine aborts such a request.
 
 ``serve_in_thread(app)`` runs any ASGI app with uvicorn on 127.0.0.1 in a daemon thread;
@@ -32,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .config import CACHE_EPOCH_HEADER
 from .request import request_text
 from .tree import ApproxRadixTree
 
@@ -51,7 +53,13 @@ class FakeWorker:
         self.cancelled_streams = 0  # streams whose client went away before the end
         self.cancelled_requests = 0  # requests whose client went away during ``delay``
         self.aborted: list[str] = []  # rids passed to /abort_request
+        self.epoch = 0  # bumped whenever the cache is emptied
         self.app = self._build()
+
+    def restart(self) -> None:
+        """What a replica restart does to the cache: empty, under a new epoch."""
+        self.cache.clear()
+        self.epoch += 1
 
     # The answer is deterministic in the prompt, so a direct and a routed request match byte
     # for byte (no timestamps or random ids in it).
@@ -174,7 +182,7 @@ class FakeWorker:
         if not self._authorized(request):
             return JSONResponse({"error": {"message": "Missing or invalid API key"}},
                                 status_code=401)
-        self.cache.clear()
+        self.restart()
         return PlainTextResponse("Cache flushed.\n")
 
     async def abort_request(self, request: Request):
@@ -185,8 +193,8 @@ class FakeWorker:
         self.aborted.append(rid)
         return JSONResponse({"aborted": [rid]})
 
-    def _build(self) -> Starlette:
-        return Starlette(routes=[
+    def _build(self):
+        app = Starlette(routes=[
             Route("/generate", self.generate, methods=["POST"]),
             Route("/v1/completions", self.openai, methods=["POST"]),
             Route("/v1/chat/completions", self.openai, methods=["POST"]),
@@ -197,6 +205,17 @@ class FakeWorker:
             Route("/flush_cache", self.flush_cache, methods=["POST"]),
             Route("/abort_request", self.abort_request, methods=["POST"]),
         ])
+
+        async def with_epoch(scope, receive, send):
+            async def send_epoch(message):
+                if message["type"] == "http.response.start":
+                    epoch = (CACHE_EPOCH_HEADER.encode(), f"{self.name}.{self.epoch}".encode())
+                    message = {**message, "headers": [*message.get("headers", []), epoch]}
+                await send(message)
+
+            await app(scope, receive, send_epoch if scope["type"] == "http" else send)
+
+        return with_epoch
 
 
 def _tcp_socket() -> socket.socket:

@@ -4,6 +4,8 @@ A worker's /health runs a real (tiny) generation, so a 200 means the engine work
 the HTTP server is up. A refused connection marks the worker unhealthy at once (nothing listens
 there); slow or failing answers must repeat ``health_failure_threshold`` times, so a worker busy
 with a large batch is not dropped for one slow check. One good check makes a worker healthy again.
+Every answer carries the worker's cache epoch (here and in the proxy): a new one means the worker
+restarted or flushed since, and the router forgets what it believed cached there.
 
 After a worker's first good check its /get_server_info is read once, to bound its share of the
 router's tree by its KV capacity (see RouterConfig.tree_chars_per_token).
@@ -16,7 +18,7 @@ import logging
 
 import httpx
 
-from .config import RouterConfig
+from .config import CACHE_EPOCH_HEADER, RouterConfig
 from .workers import Worker, WorkerRegistry
 
 log = logging.getLogger("radixray.router")
@@ -30,17 +32,21 @@ class HealthChecker:
 
     async def check(self, worker: Worker) -> bool:
         """Probe one worker and update its ``healthy`` flag; returns the probe's verdict."""
-        refused = False
+        refused, epoch = False, None
         try:
             resp = await self.client.get(f"{worker.url}/health",
                                          timeout=self.config.health_check_timeout)
             ok = resp.status_code == 200
+            epoch = resp.headers.get(CACHE_EPOCH_HEADER)
         except httpx.ConnectError:
             ok, refused = False, True
         except (httpx.HTTPError, OSError):
             ok = False
         if worker.url not in self.registry:
             return ok  # removed while we were probing
+        if self.registry.observe_epoch(worker, epoch):
+            log.info("worker %s restarted or flushed its cache; its tree entries are dropped",
+                     worker.url)
         if ok:
             if not worker.healthy:
                 log.info("worker %s is healthy again", worker.url)

@@ -18,7 +18,7 @@ import anyio
 import httpx
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from .config import RouterConfig
+from .config import CACHE_EPOCH_HEADER, RouterConfig
 from .metrics import RouterMetrics
 from .policies import Policy, RequestInfo, least_loaded
 from .request import SSETail, token_counts
@@ -130,6 +130,12 @@ class Proxy:
             tried.add(worker.url)
             send = self._send_stream if stream else self._send_once
             result = await send(worker, route, raw, fwd, on_done)
+            answer = result if isinstance(result, Response) else result.response
+            if answer is not None and self.registry.observe_epoch(
+                    worker, answer.headers.get(CACHE_EPOCH_HEADER)):
+                # The worker's cache was emptied since its last answer: the tree forgot it all,
+                # but this request's prefix is cached there now.
+                self.tree.insert(info.text, worker.url, worker.tree_limit)
             if isinstance(result, Response):
                 self.metrics.record_prediction(predicted, len(info.text))
                 return result
@@ -173,6 +179,7 @@ class Proxy:
                 failures.append(f"{worker.url}: {failure.message}")
                 continue
             answer = Response(resp.content, resp.status_code, downstream_headers(resp.headers))
+            self.registry.observe_epoch(worker, resp.headers.get(CACHE_EPOCH_HEADER))
             if resp.status_code not in RETRYABLE_STATUS:
                 return answer
             failures.append(f"{worker.url}: HTTP {resp.status_code}")

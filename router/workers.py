@@ -2,8 +2,9 @@
 
 A worker is available when it is healthy (health checks, or no connection failure since the last
 good check) and its circuit breaker lets a request through. Listeners registered with
-``on_down`` hear when a worker is removed or turns unhealthy, so the router can drop its tree
-entries (a restarted engine has an empty cache).
+``on_down`` hear when a worker is removed, turns unhealthy or answers with a new cache epoch
+(it restarted or flushed between two health checks), so the router can drop its tree entries:
+that worker's cache is empty.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Worker:
     served: int = 0  # requests answered successfully (for load-spread figures)
     tree_limit: int | None = None  # this worker's tree bound in chars, from its KV capacity
     server_info_read: bool = False  # /get_server_info was asked once (answer or not)
+    cache_epoch: str | None = None  # the worker's CACHE_EPOCH_HEADER, last seen
 
     def available(self) -> bool:
         return self.healthy and self.breaker.allows()
@@ -101,6 +103,19 @@ class WorkerRegistry:
         worker.healthy = False
         if was_healthy:
             self._notify_down(worker.url)
+
+    def observe_epoch(self, worker: Worker, epoch: str | None) -> bool:
+        """Record the cache epoch an answer of ``worker`` carried; True (and listeners drop its
+        tree entries) when it differs from the last one seen. Answers without one (workers
+        that do not send it, the router's own errors) change nothing."""
+        if not epoch or epoch == worker.cache_epoch:
+            return False
+        changed = worker.cache_epoch is not None
+        worker.cache_epoch = epoch
+        if changed:
+            worker.server_info_read = False  # a restarted engine may have another capacity
+            self._notify_down(worker.url)
+        return changed
 
     def _notify_down(self, url: str) -> None:
         for callback in self._down_listeners:

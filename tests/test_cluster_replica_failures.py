@@ -32,6 +32,13 @@ def _wait_healthy(url: str, timeout: float = 90) -> None:
     raise AssertionError(f"{url} did not become healthy in {timeout}s")
 
 
+def _cache_epoch(url: str) -> str:
+    """The epoch the router reads off every answer; a new one tells it the cache is empty."""
+    from radixray.router.config import CACHE_EPOCH_HEADER
+
+    return httpx.get(f"{url}/health", timeout=30).headers[CACHE_EPOCH_HEADER]
+
+
 def _live_placement_groups() -> int:
     from ray.util import placement_group_table
 
@@ -93,7 +100,7 @@ def test_rank_killed_while_idle_restarts_the_replica(replica):
 
     actor, url = replica
     _wait_healthy(url)
-    before = ray.get(actor.info.remote())
+    before, epoch = ray.get(actor.info.remote()), _cache_epoch(url)
     os.kill(before["worker_pids"][0], signal.SIGKILL)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # no request is sent: the supervisor must notice
@@ -103,6 +110,7 @@ def test_rank_killed_while_idle_restarts_the_replica(replica):
         time.sleep(0.5)
     assert after["restarts"] == before["restarts"] + 1 and after["healthy"], after
     assert set(after["worker_pids"]).isdisjoint(before["worker_pids"])
+    assert _cache_epoch(url) != epoch  # a fresh, empty cache
     r = httpx.post(f"{url}/generate", timeout=30,
                    json={"input_ids": PROMPT, "sampling_params": _sampling(4), "stream": True})
     assert r.status_code == 200 and "error" not in r.text
@@ -115,7 +123,7 @@ def test_killed_head_comes_back_on_its_port(replica):
 
     actor, url = replica
     _wait_healthy(url)
-    live_groups = _live_placement_groups()
+    live_groups, epoch = _live_placement_groups(), _cache_epoch(url)
     head = ray.get(actor.info.remote())["pid"]
     os.kill(head, signal.SIGKILL)
     deadline, info = time.monotonic() + 120, {}
@@ -132,6 +140,7 @@ def test_killed_head_comes_back_on_its_port(replica):
     out = httpx.post(f"{url}/generate", timeout=30,
                      json={"input_ids": PROMPT, "sampling_params": _sampling(4)})
     assert out.status_code == 200 and len(out.json()["output_ids"]) == 4
+    assert _cache_epoch(url) != epoch
     # Ray keeps a restarted actor's placement groups: the new head removes its predecessor's,
     # else its bundles stay reserved and, on a full node, the new ranks never fit
     assert _live_placement_groups() == live_groups

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from http_helpers import MODEL_NAME, post_stream, serving_fixtures, wait_idle
+from radixray.router.config import CACHE_EPOCH_HEADER
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12}
 
@@ -226,8 +227,11 @@ def test_operational_endpoints(client, server, engine, tiny_llama_path):
         assert info["version"] and info["served_model_name"] == MODEL_NAME
     client.post("/generate", json={"text": "hello", "sampling_params": {"max_new_tokens": 1}})
     wait_idle(engine)
+    epoch = client.get("/health").headers[CACHE_EPOCH_HEADER]
+    assert client.get("/v1/models").headers[CACHE_EPOCH_HEADER] == epoch  # on every answer
     r = client.post("/flush_cache")
     assert r.status_code == 200
+    assert r.headers[CACHE_EPOCH_HEADER] != epoch  # the router learns the cache is empty
     assert engine.call_sync(lambda s: s.cache.tree.total_size()) == 0
     metrics = client.get("/metrics")
     assert metrics.status_code == 200

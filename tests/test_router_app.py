@@ -274,6 +274,32 @@ def test_health_checks_take_a_worker_out_and_back(make_cluster):
     assert router.registry.get(urls[0]).healthy
 
 
+@pytest.mark.parametrize("noticed_by", ["answer", "health_check"])
+def test_a_worker_restart_between_health_checks_empties_its_tree(make_cluster, noticed_by):
+    """A replica that restarts (or is flushed) between two health checks comes back with an
+    empty cache; its next answer, or its next health check, carries a new cache epoch."""
+    interval = 0.1 if noticed_by == "health_check" else 60.0
+    client, router, fakes, urls = make_cluster(2, health_check_interval=interval)
+    first, second = SYSTEM.format(0) + "first question", SYSTEM.format(0) + "second question"
+    owner = worker_of(client.post("/generate", json={"text": first}))
+    assert worker_of(client.post("/generate", json={"text": second})) == owner
+    url = urls[int(owner[1:])]
+    assert router.tree.size(url) > len(SYSTEM.format(0))
+    fakes[int(owner[1:])].restart()
+    if noticed_by == "answer":
+        r = client.post("/generate", json={"text": first})  # still predicted there: goes there
+        assert worker_of(r) == owner and r.json()["meta_info"]["cached_tokens"] == 0
+        # the tree forgot everything but the request just served
+        assert router.tree.match(second).chars_for(url) == len(SYSTEM.format(0))
+        assert router.tree.match(first).chars_for(url) == len(first)
+    else:
+        deadline = time.monotonic() + 5
+        while router.tree.size(url) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert router.tree.size(url) == 0
+    assert router.registry.get(url).healthy  # a restart is not a failure
+
+
 @pytest.mark.parametrize("api_key", [None, "secret"])
 def test_each_workers_tree_bound_follows_its_kv_capacity(make_cluster, api_key):
     # workers with an API key answer /get_server_info to the router's own key only
