@@ -171,6 +171,17 @@ def test_forced_grammar_needs_only_the_prefill(jump_engine, tokenizer):
     assert out["meta_info"]["finish_reason"]["type"] == "length"  # no room: decoded normally
 
 
+def test_cached_tokens_count_only_the_prompt(jump_engine, closing_bias):
+    """A jump-forward opening is output that a repeat of the request finds in the tree; the
+    usage figure counts prompt tokens only (it was prompt_len + the opening: above prompt_len)."""
+    params = [constrained("json_schema", FIXED_KEYS, closing_bias, seed=3)]
+    first = run(jump_engine, params)[0]["meta_info"]
+    again = run(jump_engine, params)[0]["meta_info"]
+    assert again["prompt_tokens"] == first["prompt_tokens"]
+    # all of the prompt may hit: the opening after it is in the tree too
+    assert again["prompt_tokens"] - 1 <= again["cached_tokens"] <= again["prompt_tokens"]
+
+
 # ---------------------------------------------------------------------- batches and memory
 def test_mixed_batch_free_requests_unchanged(jump_engine, closing_bias):
     free = [{"max_new_tokens": 12, "temperature": 0.0} for _ in range(3)]
