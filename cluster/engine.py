@@ -25,6 +25,9 @@ from ..worker.sampling_params import SamplingParams
 # Server arguments for the model runner and tokenizer (the rest are SchedulerConfig's fields).
 RUNNER_ARGS = {
     "dtype": "auto",
+    # "auto": cuda if this process sees a GPU, else cpu. The default stays cpu for the offline
+    # Engine (and replicas started from Python): its users and tests compare against float32
+    # CPU output; `radixray serve` defaults to "auto" and resolves it against the Ray cluster.
     "device": "cpu",
     "attention_backend": "auto",  # flashinfer, else triton, on CUDA; torch_native elsewhere
     "context_length": None,  # default: the model's max_position_embeddings
@@ -85,6 +88,10 @@ class Engine:
         from ..worker.model_runner import ModelRunner, RunnerConfig
 
         sched_args, runner_args = split_server_args(server_args)
+        if runner_args["device"] == "auto":  # resolved here, so server_info shows the choice
+            import torch
+
+            runner_args["device"] = "cuda" if torch.cuda.is_available() else "cpu"
         self.config = SchedulerConfig(**sched_args)  # validates before the model loads
         if model_path is None:
             from ..worker.make_model import ensure_default_model

@@ -12,6 +12,12 @@ the worker group is torn down and started afresh with an empty KV pool and radix
 replica serves again; ``restarts`` counts how often. While it restarts, health and generation
 requests answer 503 (``RestartGate``). If the head itself dies, Ray restarts the actor
 (``max_restarts``): the new head starts fresh ranks and serves on the same port.
+
+Placement: ``start_replica`` first reserves the ranks' placement group (owned by the caller,
+kept across restarts), then places the head on the node of rank 0's bundle. So the head's
+steps reach rank 0 without crossing machines, and the replica's HTTP port is on a node that
+holds its GPUs (on Kubernetes: the worker pod whose port the chart exposes). A head bound to a
+wildcard address advertises its node's IP, which the router can reach from any node.
 """
 
 from __future__ import annotations
@@ -30,12 +36,36 @@ from .async_engine import InProcessEngine
 from .engine import split_server_args
 from .engine_protocol import GenerateRequest, TokenOutput
 from .tp_worker import free_port
-from .worker_group import WorkerGroup, WorkerGroupError, remove_placement_groups
+from .worker_group import (WorkerGroup, WorkerGroupError, bundle_node_id, remove_placement_groups,
+                           reserve_rank_bundles, resolve_device)
 
 log = logging.getLogger(__name__)
 NAMESPACE = "radixray"
 ACTOR_PREFIX = "replica:"
 SUPERVISE_INTERVAL_S = 0.5
+PLACEMENT_TIMEOUT_S = 300.0  # how long a replica waits for a node with room for its ranks
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def advertised_url(bind_host: str, port: int, node_ip: str) -> str:
+    """The URL others reach a server at: a server bound to every interface is reached at its
+    node's IP (advertising 0.0.0.0 would make the router, on another node, call itself)."""
+    host = node_ip if bind_host in WILDCARD_HOSTS else bind_host
+    if ":" in host:  # IPv6 literal
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def replica_actor_options(replica_id: str, node_id: str) -> dict:
+    """``ray.remote(ReplicaServer).options(...)`` for a head that belongs on ``node_id`` (rank
+    0's node). It takes no CPU of its own, so its ranks get the node's cores. The affinity is
+    soft: if that node is gone when Ray restarts the head, the head starts elsewhere rather than
+    never (Ray reschedules the ranks' placement group on its own)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"name": f"{ACTOR_PREFIX}{replica_id}", "namespace": NAMESPACE, "num_cpus": 0,
+            "max_concurrency": 8, "max_restarts": -1,
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=True)}
 
 
 def runner_config(model_path: str, config: SchedulerConfig, runner_args: dict) -> RunnerConfig:
@@ -125,7 +155,7 @@ class ReplicaServer:
 
     def __init__(self, replica_id: str, model_path: str, server_args: dict, tp_size: int = 1,
                  host: str = "127.0.0.1", port: int | None = None, http_args: dict | None = None,
-                 step_timeout_s: float = 60.0):
+                 step_timeout_s: float = 60.0, reserved_pg=None):
         import ray
         import uvicorn
         from transformers import AutoTokenizer
@@ -133,11 +163,13 @@ class ReplicaServer:
         from .http_server import ServerArgs, create_app
 
         sched_args, runner_args = split_server_args(server_args)
+        runner_args["device"] = resolve_device(runner_args["device"])  # what /get_server_info shows
         self.config = SchedulerConfig(**sched_args)
         self.runner_cfg = runner_config(model_path, self.config, runner_args)
         self.replica_id, self.tp_size, self.step_timeout_s = replica_id, tp_size, step_timeout_s
+        self.reserved_pg = reserved_pg  # the ranks' bundles, kept across restarts; None: per group
         self.tokenizer = AutoTokenizer.from_pretrained(runner_args["tokenizer_path"] or model_path)
-        self.server_args = {**server_args, "tp_size": tp_size}
+        self.server_args = {**server_args, "device": runner_args["device"], "tp_size": tp_size}
         self.restarts = 0
         self.group: WorkerGroup | None = None
         self.engine = SwappableEngine()
@@ -148,6 +180,7 @@ class ReplicaServer:
                         "its predecessor", replica_id, n)
         self._start_engine()
         self.host, self.port = host, port or free_port()
+        self.url = advertised_url(host, self.port, ray.util.get_node_ip_address())
         http = ServerArgs(model_path=model_path, host=host, port=self.port, replica=replica_id,
                           extra=self.server_args, **(http_args or {}))
         app = RestartGate(create_app(self.engine, self.tokenizer, http), self.engine)
@@ -167,7 +200,8 @@ class ReplicaServer:
     def _start_engine(self) -> None:
         """Start ranks, scheduler and scheduler thread; then point the HTTP app at them."""
         group = WorkerGroup(self.runner_cfg, self.tp_size, step_timeout_s=self.step_timeout_s,
-                            name=self.pg_prefix + uuid.uuid4().hex[:8])
+                            name=self.pg_prefix + uuid.uuid4().hex[:8],
+                            reserved_pg=self.reserved_pg)
         eos = set(group.info["eos_token_ids"])
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -220,16 +254,19 @@ class ReplicaServer:
 
     # ------------------------------------------------------------------ actor methods
     def get_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return self.url
 
     def info(self) -> dict:
+        import ray
+
         group = self.group
         try:
             pids = group.pids() if group is not None else []
         except Exception:  # a rank died and the supervisor has not replaced the group yet
             pids = []
         return {"url": self.get_url(), "restarts": self.restarts, "pid": os.getpid(),
-                "healthy": self.engine.ready, "worker_pids": pids}
+                "healthy": self.engine.ready, "worker_pids": pids,
+                "node_id": ray.get_runtime_context().get_node_id()}
 
     def check_invariant(self) -> int:
         """Assert the scheduler's memory invariant; returns the number of live requests."""
@@ -242,22 +279,59 @@ class ReplicaServer:
             self.engine.current.shutdown()
         if self.group is not None:
             self.group.shutdown()
+        if self.reserved_pg is not None:  # the head is not in it: removing it spares the head
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.reserved_pg)
+            self.reserved_pg = None
+
+
+def reserve_replica_ranks(replica_id: str, server_args: dict, tp_size: int = 1,
+                          timeout_s: float = PLACEMENT_TIMEOUT_S):
+    """Reserve a replica's rank bundles and wait until Ray has placed them; returns
+    ``(placement group, node id of rank 0's bundle, device)``, ``device`` being the server
+    arguments' with "auto" resolved against the cluster's GPUs. The placement group belongs to
+    the caller's job (it ends with it); the replica's ``shutdown`` removes it."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    device = resolve_device(split_server_args(server_args)[1]["device"])
+    # Not under the head's own prefix (ACTOR_PREFIX + id + "/"): a restarted head removes
+    # what is left under that prefix, and this group must outlive head restarts.
+    pg = reserve_rank_bundles(tp_size, device, name=f"{ACTOR_PREFIX}{replica_id}")
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except Exception as e:
+        remove_placement_group(pg)
+        raise RuntimeError(f"replica {replica_id}: no node had room for {tp_size} rank(s) on "
+                           f"{device} within {timeout_s:.0f}s") from e
+    return pg, bundle_node_id(pg, 0), device
 
 
 def start_replica(replica_id: str, model_path: str, server_args: dict, tp_size: int = 1,
                   host: str = "127.0.0.1", port: int | None = None,
-                  http_args: dict | None = None, step_timeout_s: float = 60.0):
-    """Create the named replica actor (``replica:<id>`` in namespace ``radixray``) and wait
-    until it serves. Needs ``ray.init`` first. The head takes no CPU of its own so its ranks
-    get the node's cores. Ray restarts a head whose process dies (its ranks die with it, as
-    their owner; the new head removes their placement group); ``ray.kill`` and the driver's
-    exit end it for good."""
-    import ray
+                  http_args: dict | None = None, step_timeout_s: float = 60.0,
+                  reserved: tuple | None = None):
+    """Create the named replica actor (``replica:<id>`` in namespace ``radixray``) on the node
+    of its rank 0 and wait until it serves. Needs ``ray.init`` first. ``reserved``: what
+    ``reserve_replica_ranks`` returned, for a caller that needed rank 0's node first (to pick
+    a port there); None: reserved here.
 
-    actor = ray.remote(ReplicaServer).options(
-        name=f"{ACTOR_PREFIX}{replica_id}", namespace=NAMESPACE, num_cpus=0,
-        max_concurrency=8, max_restarts=-1).remote(replica_id, model_path, server_args,
-                                                   tp_size, host, port, http_args,
-                                                   step_timeout_s)
-    ray.get(actor.get_url.remote())
+    Ray restarts a head whose process dies (its ranks die with it, as their owner; the new
+    head starts fresh ones in the same reserved bundles); ``shutdown`` then ``ray.kill``, or
+    the driver's exit, end it for good."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    pg, node_id, device = reserved or reserve_replica_ranks(replica_id, server_args, tp_size)
+    log.info("replica %s: ranks on %s, head on rank 0's node %s", replica_id, device, node_id)
+    actor = ray.remote(ReplicaServer).options(**replica_actor_options(replica_id, node_id)).remote(
+        replica_id, model_path, {**server_args, "device": device}, tp_size, host, port,
+        http_args, step_timeout_s, pg)
+    try:
+        ray.get(actor.get_url.remote())
+    except Exception:  # leave nothing behind: no head, no reserved bundles
+        ray.kill(actor)
+        remove_placement_group(pg)
+        raise
     return actor

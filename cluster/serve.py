@@ -2,9 +2,9 @@
 
 The command starts (or joins, with ``--ray-address``) a Ray cluster, starts ``--replicas``
 replica actors (each a scheduler head plus ``--tp-size`` worker actors, see ``replica.py``),
-each serving HTTP on ``--replica-base-port + i``, then runs the router on ``--port`` in its own
-process (``python -m radixray.router``: it imports no torch) and waits. Ctrl-C or SIGTERM stops
-the router, the replicas and the local Ray.
+each serving HTTP on a port from ``--replica-base-port`` (``replica_port``), then runs the
+router on ``--port`` in its own process (``python -m radixray.router``: it imports no torch)
+and waits. Ctrl-C or SIGTERM stops the router, the replicas and the local Ray.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from ..router.config import WORKER_API_KEY_ENV
 from .tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 DEMO_MODEL_NAME = "radixray-demo"  # what clients send as "model" to the built-in demo model
+REPLICA_PORT_POLICIES = ("per-replica", "per-node")
 
 # Scheduler arguments as flags: SchedulerConfig's field -> (type, help). Defaults come from
 # SchedulerConfig itself, so --help always shows the real ones.
@@ -50,6 +51,21 @@ _SCHEDULER_FLAGS = {
 }
 
 
+def replica_port(policy: str, base_port: int, index: int, earlier_nodes: list[str],
+                 node: str) -> int:
+    """The HTTP port of replica ``index``, whose ranks (and so its head) are on ``node``;
+    ``earlier_nodes``: the nodes of replicas 0..index-1.
+
+    per-replica: ``base_port + index``, unique in the cluster (one machine, or firewall rules
+    per port). per-node: ``base_port`` + how many earlier replicas share the node, so with one
+    replica per node (one per Kubernetes worker pod) every replica listens on ``base_port``,
+    the one port a Service or ServiceMonitor over the pods can name."""
+    if policy == "per-replica":
+        return base_port + index
+    if policy == "per-node":
+        return base_port + earlier_nodes.count(node)
+    raise ValueError(f"replica port policy: {policy!r}; use one of {REPLICA_PORT_POLICIES}")
+
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """Every flag of ``radixray serve`` (mutates ``p``)."""
@@ -68,7 +84,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=30000,
                    help="the router's port (the cluster's front door)")
     p.add_argument("--replica-base-port", type=int, default=None,
-                   help="replica i's HTTP server listens on this + i; None: --port + 1")
+                   help="first replica HTTP port (see --replica-port-policy); None: --port + 1")
+    p.add_argument("--replica-port-policy", choices=REPLICA_PORT_POLICIES, default="per-replica",
+                   help="per-replica: replica i listens on base + i; per-node: on base + the "
+                        "number of replicas placed before it on the same node (one replica per "
+                        "node: all on base, as the Helm chart expects)")
     p.add_argument("--api-key", default=None,
                    help="require Authorization: Bearer KEY on every endpoint but /health*")
     p.add_argument("--max-queued-requests", type=int, default=None,
@@ -94,7 +114,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model runner")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: float32 on CPU, bfloat16 on GPU")
-    g.add_argument("--device", default="cpu", help="torch device")
+    g.add_argument("--device", default="auto",
+                   help="torch device of the ranks: cpu, cuda (cuda:N counts as cuda: Ray gives "
+                        "each rank its GPU), or auto: cuda when the Ray cluster has GPUs when "
+                        "serve starts, else cpu")
     g.add_argument("--context-length", type=int, default=None,
                    help="None: the model's max_position_embeddings")
     g.add_argument("--mem-fraction-static", type=float, default=0.85,
@@ -159,7 +182,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from ..scheduler.config import SchedulerConfig
     from ..worker.make_model import ensure_default_model
     from .engine import split_server_args
-    from .replica import NAMESPACE, start_replica
+    from .replica import NAMESPACE, reserve_replica_ranks, start_replica
+    from .worker_group import resolve_device
 
     model_path = args.model_path
     if model_path is None:
@@ -182,15 +206,24 @@ def run_serve(args: argparse.Namespace) -> int:
                  "max_queued_requests": args.max_queued_requests,
                  "health_check_timeout": args.health_check_timeout}
     base_port = args.replica_base_port or args.port + 1
+    # A wildcard host binds every interface; each replica then advertises its node's IP.
     replica_host = "127.0.0.1" if args.host in ("127.0.0.1", "localhost") else args.host
     ray.init(address=args.ray_address or "local", namespace=NAMESPACE,
              include_dashboard=False, log_to_driver=False)
     replicas, router = [], None
     try:
+        gpus = ray.cluster_resources().get("GPU", 0)
+        server_args["device"] = resolve_device(args.device, gpus)
+        print(f"radixray serve: device {server_args['device']} (--device {args.device}; the Ray "
+              f"cluster has {gpus:g} GPU(s) now)", flush=True)
+        nodes = []  # of the replicas started so far
         for i in range(args.replicas):
+            reserved = reserve_replica_ranks(str(i), server_args, args.tp_size)
+            port = replica_port(args.replica_port_policy, base_port, i, nodes, reserved[1])
+            nodes.append(reserved[1])
             replicas.append(start_replica(str(i), model_path, server_args, args.tp_size,
-                                          replica_host, base_port + i, http_args,
-                                          args.step_timeout))
+                                          replica_host, port, http_args, args.step_timeout,
+                                          reserved=reserved))
         urls = ray.get([r.get_url.remote() for r in replicas])
         print(f"radixray: {len(urls)} replica(s) ready: {' '.join(urls)}", flush=True)
         router = subprocess.Popen([

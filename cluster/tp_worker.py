@@ -22,6 +22,12 @@ from ..worker.host_copy import to_device
 from ..worker.model_runner import ModelRunner, RunnerConfig
 
 
+def is_gpu_device(device: str) -> bool:
+    """"cuda" or "cuda:N": the ranks need a GPU each. (Under Ray a rank sees only the GPU Ray
+    gave it, as cuda:0, so the index of "cuda:N" cannot pick a GPU there.)"""
+    return str(device).split(":", 1)[0] == "cuda"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -100,10 +106,11 @@ class TPWorker:
     def init(self, master_addr: str, master_port: int, timeout_s: float = 60.0) -> dict:
         """Join the TP group (when tp > 1) and load this rank's shard. Returns pool figures."""
         cfg = self.runner_cfg
-        if self.runner_cfg.device == "cuda" and torch.cuda.is_available():
+        on_gpu = is_gpu_device(cfg.device)
+        if on_gpu and torch.cuda.is_available():
             torch.cuda.set_device(0)  # Ray exposes exactly this actor's GPU as device 0
         if self.tp_size > 1:
-            backend = "nccl" if cfg.device == "cuda" else "gloo"
+            backend = "nccl" if on_gpu else "gloo"
             dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
                                     rank=self.rank, world_size=self.tp_size,
                                     timeout=timedelta(seconds=timeout_s))

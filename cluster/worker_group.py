@@ -1,8 +1,10 @@
 """The tensor-parallel ranks of one replica: placement, start-up, stepping, tear-down.
 
-``WorkerGroup`` reserves one bundle per rank in a STRICT_PACK placement group (so a TP group
-never spans machines), starts a ``TPWorker`` actor in each, joins them into a process group
-through a port that rank 0 picks, and loads the shards. It then looks like a model runner to
+``WorkerGroup`` runs one ``TPWorker`` actor per rank in a STRICT_PACK placement group of one
+bundle per rank (so a TP group never spans machines), joins them into a process group through a
+port that rank 0 picks, and loads the shards. The placement group is either its own, or one the
+caller reserved with ``reserve_rank_bundles`` and keeps across groups (a replica reserves one
+first, so that its head can be placed on rank 0's node, and reuses it when its ranks restart). It then looks like a model runner to
 the scheduler: ``submit(batch)`` returns a handle at once (overlap scheduling submits the next
 batch before this one's tokens are back), ``result(handle)`` waits for the tokens with a
 per-step timeout, ``forward(batch)`` does both.
@@ -22,7 +24,41 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..worker.forward_batch import ForwardBatch, ForwardOutput
 from ..worker.model_runner import RunnerConfig
-from .tp_worker import TPWorker
+from .tp_worker import TPWorker, is_gpu_device
+
+
+def resolve_device(requested: str, cluster_gpus: float | None = None) -> str:
+    """The torch device a replica's ranks run on.
+
+    "auto": cuda when the Ray cluster has at least one GPU (``cluster_gpus``; None: ask Ray's
+    ``cluster_resources()``): the ranks are placed where the GPUs are, so the process that
+    decides (the serve driver, a replica head) need not have one itself; else cpu. Only nodes
+    already in the cluster count: GPU nodes that join later need an explicit "cuda".
+    "cuda:N" becomes "cuda": Ray gives each rank its own GPU, which the rank sees as cuda:0, so an
+    index cannot pick one; what counts is that the ranks ask Ray for a GPU."""
+    if requested == "auto":
+        if cluster_gpus is None:
+            cluster_gpus = ray.cluster_resources().get("GPU", 0)
+        return "cuda" if cluster_gpus >= 1 else "cpu"
+    return "cuda" if is_gpu_device(requested) else requested
+
+
+def rank_bundle(device: str) -> dict:
+    """What one rank reserves: a GPU and a CPU on GPU devices ("cuda", "cuda:N"), else a CPU."""
+    if device == "auto":
+        raise ValueError("device: resolve 'auto' first (resolve_device)")
+    return {"GPU": 1, "CPU": 1} if is_gpu_device(device) else {"CPU": 1}
+
+
+def reserve_rank_bundles(tp_size: int, device: str, name: str = "") -> PlacementGroup:
+    """A STRICT_PACK placement group of one ``rank_bundle`` per rank (not waited for)."""
+    return placement_group([rank_bundle(device) for _ in range(tp_size)],
+                           strategy="STRICT_PACK", name=name)
+
+
+def bundle_node_id(pg: PlacementGroup, index: int = 0) -> str:
+    """The Ray node id holding bundle ``index`` of a ready placement group."""
+    return placement_group_table(pg)["bundles_to_node_id"][index]
 
 
 class WorkerGroupError(RuntimeError):
@@ -31,12 +67,16 @@ class WorkerGroupError(RuntimeError):
 
 class WorkerGroup:
     def __init__(self, runner_cfg: RunnerConfig, tp_size: int = 1, step_timeout_s: float = 60.0,
-                 start_timeout_s: float = 300.0, name: str = ""):
+                 start_timeout_s: float = 300.0, name: str = "",
+                 reserved_pg: PlacementGroup | None = None):
         self.tp_size, self.step_timeout_s = tp_size, step_timeout_s
-        use_gpu = runner_cfg.device == "cuda"
-        bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
-        self.pg = placement_group([dict(bundle) for _ in range(tp_size)], strategy="STRICT_PACK",
-                                  name=name)
+        device = resolve_device(runner_cfg.device)  # "cuda:N" -> "cuda"
+        bundle = rank_bundle(device)
+        # A placement group the caller reserved outlives this group (restarts reuse it).
+        self.owns_pg = reserved_pg is None
+        self.pg = reserve_rank_bundles(tp_size, device, name) if self.owns_pg else reserved_pg
+        if self.pg.bundle_count != tp_size:
+            raise ValueError(f"reserved_pg: {self.pg.bundle_count} bundles for {tp_size} ranks")
         self.workers: list = []
         self.watch_refs: list = []  # calls that end only if their rank dies (check_peers)
         self._seq = 0  # batches submitted so far
@@ -46,7 +86,8 @@ class WorkerGroup:
             for rank in range(tp_size):
                 strategy = PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=rank)
-                cfg = dataclasses.replace(runner_cfg, tp_rank=rank, tp_size=tp_size)
+                cfg = dataclasses.replace(runner_cfg, device=device, tp_rank=rank,
+                                          tp_size=tp_size)
                 # threads: two forwards (overlap scheduling), watch or follow, control calls
                 self.workers.append(actor_cls.options(
                     num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
@@ -102,14 +143,15 @@ class WorkerGroup:
         return ray.get([w.pid.remote() for w in self.workers], timeout=30)
 
     def shutdown(self) -> None:
-        """Kill every rank and release the placement group. Safe to call twice."""
+        """Kill every rank and release the placement group if it is this group's own (a
+        reserved one stays for the next group). Safe to call twice."""
         for w in self.workers:
             try:
                 ray.kill(w, no_restart=True)
             except Exception:
                 pass
         self.workers, self.watch_refs = [], []
-        if self.pg is not None:
+        if self.pg is not None and self.owns_pg:
             try:
                 remove_placement_group(self.pg)
             except Exception:

@@ -1,5 +1,6 @@
 """Ray replicas end to end: tp=2 replica equals HF over HTTP, survives a killed rank, and two
-replicas in one Ray cluster serve independently and are discoverable by name."""
+replicas in one Ray cluster serve independently and are discoverable by name; a replica bound to
+a wildcard address advertises its node and runs its head beside rank 0."""
 
 from __future__ import annotations
 
@@ -154,3 +155,51 @@ def test_prometheus_scrapes_real_replica_and_router(tp2_replica, tmp_path):
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_wildcard_replica_advertises_its_node_and_sits_with_rank_zero(ray_session,
+                                                                     tiny_qwen2_path):
+    """Bound to 0.0.0.0 the replica advertises its node's IP (0.0.0.0 would send the router to
+    itself); its head runs on the node of its rank 0's bundle; that placement group is kept
+    while ranks restart and released by shutdown."""
+    import ray
+    from ray.util import placement_group_table
+    from ray.util.placement_group import PlacementGroup
+
+    from radixray.cluster.replica import ACTOR_PREFIX, start_replica
+    from radixray.cluster.tp_worker import free_port
+    from radixray.cluster.worker_group import bundle_node_id
+
+    def reserved():
+        return [e for e in placement_group_table().values()
+                if e["name"] == f"{ACTOR_PREFIX}anyhost" and e["state"] != "REMOVED"]
+
+    port = free_port()
+    actor = start_replica("anyhost", tiny_qwen2_path, {"max_total_tokens": 512, "device": "auto"},
+                          host="0.0.0.0", port=port)
+    try:
+        url = ray.get(actor.get_url.remote())
+        assert url == f"http://{ray.util.get_node_ip_address()}:{port}"  # 127.0.0.1 in tests
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+        info = ray.get(actor.info.remote())
+        (entry,) = reserved()
+        pg = PlacementGroup(ray.PlacementGroupID(bytes.fromhex(entry["placement_group_id"])))
+        assert info["node_id"] == bundle_node_id(pg, 0)
+        server_info = httpx.get(f"{url}/get_server_info", timeout=10).json()
+        # the effective device, never "auto"
+        has_gpu = ray.cluster_resources().get("GPU", 0) >= 1
+        assert server_info["device"] == ("cuda" if has_gpu else "cpu")
+
+        os.kill(info["worker_pids"][0], signal.SIGKILL)  # ranks restart in the same bundles
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            after = ray.get(actor.info.remote())
+            if after["restarts"] > info["restarts"] and after["healthy"]:
+                break
+            time.sleep(0.5)
+        assert after["restarts"] == info["restarts"] + 1 and after["healthy"], after
+        assert [e["placement_group_id"] for e in reserved()] == [entry["placement_group_id"]]
+    finally:
+        ray.get(actor.shutdown.remote())
+        ray.kill(actor)
+    assert reserved() == []

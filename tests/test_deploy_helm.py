@@ -106,6 +106,10 @@ def test_raycluster(case):
     assert flags["--tp-size"] == str(values["tpSize"])
     assert flags["--replicas"] == str(values["replicas"])
     assert flags.get("--model", "") == values["model"]["path"]
+    # The worker pods have GPUs, the head pod none, and they may join after serve starts: the
+    # ranks must ask Ray for GPUs whatever serve sees at start (auto could pick cpu).
+    assert flags["--device"] == "cuda"
+    assert spec["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert head_container[probe]["httpGet"]["path"] == "/health"
     assert "nvidia.com/gpu" not in str(head_container["resources"])
@@ -206,6 +210,58 @@ def test_replicas_service_selects_exactly_the_gpu_workers(case):
     assert not selects(selector, cluster["spec"]["headGroupSpec"]["template"]["metadata"]["labels"])
     (port,) = service["spec"]["ports"]
     assert port["port"] == values["serve"]["replicaPort"]
+
+
+def serve_flags(docs):
+    """`radixray serve`'s parsed arguments as the head runs them."""
+    parser = serve_parser()
+    if parser is None:
+        pytest.skip("`radixray serve` not in radixray.cluster.cli yet")
+    (cluster,) = by_kind(docs, "RayCluster")
+    (head,) = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    return parser.parse_args(shlex.split(container_command(head).split("exec ", 1)[1])[2:])
+
+
+def test_every_replica_listens_where_the_chart_scrapes_it(case):
+    """Where replicas really listen (serve's port assignment, one replica per worker pod: a
+    replica needs tpSize GPUs and a pod has tpSize) is the port the worker pods expose, the
+    -replicas Service targets, the ServiceMonitor scrapes, and static router URLs name."""
+    from radixray.cluster.serve import replica_port
+
+    _, values, docs = case
+    args = serve_flags(docs)
+    (cluster,) = by_kind(docs, "RayCluster")
+    (group,) = cluster["spec"]["workerGroupSpecs"]
+    assert group["rayStartParams"]["num-gpus"] == str(args.tp_size)  # one replica fits a pod
+    pods = [f"{group['groupName']}-worker-{i}" for i in range(group["replicas"])]
+    base = args.replica_base_port or args.port + 1
+    listening = {replica_port(args.replica_port_policy, base, i, pods[:i], pod)
+                 for i, pod in enumerate(pods)}
+    assert listening == {values["serve"]["replicaPort"]}
+
+    (worker,) = group["template"]["spec"]["containers"]
+    container_ports = {p["name"]: p["containerPort"] for p in worker["ports"]}
+    assert container_ports["http"] == values["serve"]["replicaPort"]
+    (service,) = [s for s in by_kind(docs, "Service") if s["metadata"]["name"].endswith("-replicas")]
+    (port,) = service["spec"]["ports"]
+    assert container_ports[port["targetPort"]] in listening
+    for monitor in by_kind(docs, "ServiceMonitor"):
+        (endpoint,) = monitor["spec"]["endpoints"]
+        assert container_ports[endpoint["port"]] in listening
+    for url in values["router"]["workerUrls"]:
+        assert int(url.rsplit(":", 1)[1]) in listening, url
+
+
+def test_replicas_on_one_node_would_not_collide():
+    """The per-node policy the chart uses still gives replicas sharing a node distinct ports
+    (e.g. after a pod restart moved two replicas' bundles onto one node)."""
+    from radixray.cluster.serve import replica_port
+
+    args = serve_flags(render({"replicas": 3}))
+    nodes = ["node-a"] * 3
+    ports = [replica_port(args.replica_port_policy, args.replica_base_port, i, nodes[:i], "node-a")
+             for i in range(3)]
+    assert len(set(ports)) == 3
 
 
 def alert_jobs():

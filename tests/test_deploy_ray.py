@@ -117,3 +117,24 @@ def test_serve_flags_exist_in_the_serve_cli(name):
     cli.SUBCOMMANDS["serve"][1](parser)
     argv = shlex.split(serve_command(load(name)).split(">")[0])[3:]
     parser.parse_args(argv)
+
+
+# Accelerators without bfloat16 (pre-Ampere), which `--dtype auto` picks on GPUs.
+NO_BFLOAT16 = ("nvidia-tesla-t4", "nvidia-tesla-v100", "nvidia-tesla-p100", "nvidia-tesla-p4",
+               "nvidia-tesla-k80")
+
+
+@pytest.mark.parametrize("name", ["aws.yaml", "gcp.yaml"])
+def test_gpu_clusters_run_the_ranks_on_gpus(name):
+    """serve starts on the CPU head before the GPU workers join, so `--device auto` would see
+    no GPU: the GPU files say cuda, and a dtype their GPUs have."""
+    cfg = load(name)
+    argv = shlex.split(serve_command(cfg).split(">")[0])
+    flags = dict(zip(argv[3::2], argv[4::2]))
+    assert flags["--device"] == "cuda"
+    accelerators = cfg["available_node_types"]["gpu_worker"]["node_config"].get(
+        "guestAccelerators", [])
+    if any(a["acceleratorType"] in NO_BFLOAT16 for a in accelerators):
+        assert flags.get("--dtype") in ("float16", "float32")
+    else:
+        assert flags.get("--dtype", "auto") in ("auto", "bfloat16", "float16")

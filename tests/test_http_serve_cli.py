@@ -11,6 +11,7 @@ import sys
 import time
 
 import httpx
+import torch
 
 from radixray.cluster.cli import build_parser
 
@@ -72,6 +73,10 @@ def test_serve_without_model_uses_the_default_model(tiny_llama_path, tmp_path):
             time.sleep(0.1)
         info = httpx.get(url + "/get_server_info", timeout=10).json()
         assert info["schedule_policy"] == "lpm" and info["max_total_num_tokens"] == 4096
+        # --device auto (the default) resolved against the local Ray cluster's GPUs, logged
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        assert info["device"] == device
+        assert any(f"device {device} (--device auto" in line for line in lines), lines
         assert info["disable_overlap_schedule"] is False  # Ray workers: overlap on
         assert info["model_path"] == tiny_llama_path
         r = httpx.post(url + "/v1/completions", json={"model": tiny_llama_path, "prompt": "def",

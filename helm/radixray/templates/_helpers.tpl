@@ -41,13 +41,20 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%s-head-svc" (include "radixray.fullname" .) -}}
 {{- end -}}
 
-{{/* `radixray serve` on the head: starts the replicas in Ray. */}}
+{{/*
+`radixray serve` on the head: starts the replicas in Ray.
+--device cuda: the head pod has no GPU and the GPU worker pods may join after serve starts, so
+"auto" could see no GPU yet. Each replica's head runs on the worker pod of its rank 0 and, with
+one replica per pod, --replica-port-policy per-node puts every replica on serve.replicaPort:
+the port the worker pods, the -replicas Service and the ServiceMonitor name.
+*/}}
 {{- define "radixray.serveCommand" -}}
 {{- $args := list "radixray" "serve" "--host" "0.0.0.0" "--port" (toString .Values.serve.port) "--ray-address" "auto" -}}
 {{- if .Values.model.path -}}
 {{- $args = concat $args (list "--model" .Values.model.path) -}}
 {{- end -}}
 {{- $args = concat $args (list "--tp-size" (toString .Values.tpSize) "--replicas" (toString .Values.replicas)) -}}
+{{- $args = concat $args (list "--device" "cuda" "--replica-base-port" (toString .Values.serve.replicaPort) "--replica-port-policy" "per-node") -}}
 {{- $args = concat $args .Values.serve.extraArgs -}}
 {{- range $i, $a := $args }}{{ if $i }} {{ end }}{{ $a | toString | squote }}{{ end -}}
 {{- end -}}
