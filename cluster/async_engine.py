@@ -106,7 +106,8 @@ class InProcessEngine:
         try:
             while not finished:
                 item = await queue.get()
-                if isinstance(item, BaseException):
+                if isinstance(item, BaseException):  # refused: it never entered the scheduler
+                    finished = True  # so no abort, which would hit another request with this rid
                     raise item
                 finished = item.finished
                 yield item

@@ -267,3 +267,29 @@ def test_abort_request_ends_a_running_generation(client, server, engine):
     meta = result["r"].json()["meta_info"]
     assert meta["finish_reason"]["type"] == "abort"
     assert meta["completion_tokens"] < 1500
+
+
+def test_a_refused_duplicate_rid_leaves_the_running_request_alone(engine):
+    """The scheduler refuses a second request with a live rid; the engine used to follow the
+    refusal with an abort of that rid, which killed the first request."""
+    import asyncio
+
+    from radixray.cluster.engine_protocol import GenerateRequest
+    from radixray.worker.sampling_params import SamplingParams
+
+    def request(n):
+        return GenerateRequest("dup-rid", [5, 6, 7], SamplingParams(max_new_tokens=n,
+                                                                    ignore_eos=True))
+
+    async def main():
+        first = engine.generate(request(60))
+        await first.__anext__()  # it is running
+        with pytest.raises(ValueError, match="already in use"):
+            async for _ in engine.generate(request(4)):
+                pass
+        outs = [out async for out in first]
+        return outs[-1].finish_reason
+
+    assert asyncio.run(main())["type"] == "length"
+    wait_idle(engine)
+    engine.check_invariant()
