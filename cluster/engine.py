@@ -148,6 +148,8 @@ class Engine:
         for i in range(count):
             params[i].verify(self.runner.model_config.vocab_size)
             base, sp = per["rid"][i] or uuid.uuid4().hex, params[i]
+            start = _logprob_start(per["return_logprob"][i], per["logprob_start_len"][i],
+                                   len(ids[i]))
             for k in range(sp.n):
                 # copy k samples with seed + k, as the HTTP API's copies do: one seed for all
                 # would make the n samples identical
@@ -156,7 +158,7 @@ class Engine:
                 reqs.append(Req(
                     base if sp.n == 1 else f"{base}-{k}", ids[i], copy,
                     return_logprob=per["return_logprob"][i],
-                    logprob_start_len=per["logprob_start_len"][i],
+                    logprob_start_len=start,
                     top_logprobs_num=per["top_logprobs_num"][i], priority=per["priority"][i],
                     routing_key=per["routing_key"][i], extra_key=per["extra_key"][i]))
         collected = self._run(reqs)
@@ -265,3 +267,15 @@ def _per_request(value, count: int, name: str, item_type: type | None = None) ->
             raise ValueError(f"{name}: got {len(value)} values for {count} prompts")
         return value
     return [value] * count
+
+
+def _logprob_start(return_logprob: bool, start: int, prompt_len: int) -> int:
+    """SGLang's rule, as the HTTP API's: -1 means the last prompt token only (one null entry);
+    without logprobs the value is ignored."""
+    if not return_logprob:
+        return -1
+    if start == -1:
+        return prompt_len - 1
+    if not 0 <= start < prompt_len:
+        raise ValueError(f"logprob_start_len: must be -1 or in [0, {prompt_len}), got {start}")
+    return start

@@ -46,6 +46,7 @@ class GenerateReqInput(BaseModel):
     priority: int | None = None
     routing_key: str | None = None
     extra_key: str | None = None
+    token_ids_logprob: list[int] | list[list[int]] | None = None  # not supported: a 400
 
 
 def _per_item(value, i: int, count: int, name: str, default):
@@ -86,6 +87,9 @@ def build_requests(body: GenerateReqInput, ctx: ServingContext
     Returns (the requests, per prompt the copies to run (n of them), whether the input was a
     batch). With n > 1 the first list holds one request per prompt, used to fill the cache.
     """
+    if body.token_ids_logprob is not None:
+        raise bad_request("token_ids_logprob: not supported; use top_logprobs_num",
+                          param="token_ids_logprob")
     prompts, batch, prompt_field = _prompts(body, ctx)
     count = len(prompts)
     base_rid = body.rid if isinstance(body.rid, str) else None
@@ -105,7 +109,7 @@ def build_requests(body: GenerateReqInput, ctx: ServingContext
         top_n = _per_item(body.top_logprobs_num, i, count, "top_logprobs_num", 0)
         if start == -1:
             start = len(ids) - 1  # SGLang: only the last prompt token (a single null entry)
-        if not 0 <= start < len(ids):
+        if return_logprob and not 0 <= start < len(ids):  # (ignored without logprobs)
             raise bad_request(f"logprob_start_len: must be -1 or in [0, {len(ids)}) for a "
                               f"{len(ids)}-token prompt, got {start}", param="logprob_start_len")
         if top_n < 0:

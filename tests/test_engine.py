@@ -151,7 +151,55 @@ def test_logprobs_match_hf(tiny_llama_path):
         assert fill["output_ids"] == [] and fill["meta_info"]["completion_tokens"] == 0
         assert len(fill["meta_info"]["input_token_logprobs"]) == 2
         assert isinstance(fill["meta_info"]["input_token_logprobs"][1][2], str)
+        # the default logprob_start_len (-1) is the last prompt token, as over HTTP
+        last = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1},
+                               return_logprob=True)["meta_info"]
+        assert last["input_token_logprobs"] == [[None, prompt[-1], None]]
+        with pytest.raises(ValueError, match="logprob_start_len"):
+            engine.generate(input_ids=prompt, return_logprob=True, logprob_start_len=30)
         assert_clean(engine)
+
+
+def test_input_logprobs_across_chunks_equal_an_unchunked_prefill(tiny_llama_path):
+    """A prompt prefilled in chunks gets the input logprobs (and tops) of one unchunked
+    prefill, the first entry the only null: each chunk's last logits score the next chunk's
+    first token. Starts on a seam, inside a chunk, and select()'s ``len - 2`` with
+    max_new_tokens 0 (its two entries straddle the last seam); alone, and with a request
+    decoding beside the chunks (mixed chunk) under overlap scheduling."""
+    rng = random.Random(2)
+    cases = [(0, 2), (16, 2), (21, 2), (63, 0)]  # (logprob_start_len, max_new_tokens)
+    prompts = [[rng.randrange(5, 2048) for _ in range(65)] for _ in cases]  # fresh: no hits
+    busy = [rng.randrange(5, 2048) for _ in range(4)]
+
+    def input_logprobs(**cfg):
+        metas = []
+        with Engine(tiny_llama_path, max_total_tokens=1024, debug_invariants=True,
+                    **cfg) as engine:
+            for prompt, (start, new) in zip(prompts, cases):
+                outs = engine.generate(
+                    input_ids=[busy, prompt], return_logprob=[False, True],
+                    sampling_params=[{"max_new_tokens": 12, **GREEDY},
+                                     {"max_new_tokens": new, **GREEDY}],
+                    logprob_start_len=[-1, start], top_logprobs_num=[0, 3])
+                metas.append(outs[1]["meta_info"])
+            assert_clean(engine)
+        return metas
+
+    want = input_logprobs(chunked_prefill_size=-1)
+    for cfg in ({"enable_mixed_chunk": False, "disable_overlap_schedule": True},
+                {"enable_mixed_chunk": True, "disable_overlap_schedule": False}):
+        got = input_logprobs(chunked_prefill_size=16, **cfg)
+        for (start, _), g, w in zip(cases, got, want):
+            g_lps, w_lps = g["input_token_logprobs"], w["input_token_logprobs"]
+            assert len(g_lps) == 65 - start and [e[0] for e in g_lps].count(None) == 1
+            assert g_lps[0][0] is None and [e[1] for e in g_lps] == [e[1] for e in w_lps]
+            assert [e[0] for e in g_lps[1:]] == pytest.approx([e[0] for e in w_lps[1:]],
+                                                              abs=2e-4), (cfg, start)
+            g_tops, w_tops = g["input_top_logprobs"], w["input_top_logprobs"]
+            assert len(g_tops) == 65 - start and g_tops[0] is None
+            for gt, wt in zip(g_tops[1:], w_tops[1:]):
+                assert [e[1] for e in gt] == [e[1] for e in wt]
+                assert [e[0] for e in gt] == pytest.approx([e[0] for e in wt], abs=2e-4)
 
 
 def test_batch_shapes_n_and_ids(tiny_llama_path):

@@ -293,3 +293,18 @@ def test_a_refused_duplicate_rid_leaves_the_running_request_alone(engine):
     assert asyncio.run(main())["type"] == "length"
     wait_idle(engine)
     engine.check_invariant()
+
+
+def test_sglang_fields_radixray_does_not_implement(client):
+    """Null values of SGLang's fields are accepted (clients send every field); a value radixray
+    cannot honour is a 400 naming it, never silently dropped; logprob_start_len is only
+    checked when logprobs are asked for (SGLang ignores it otherwise)."""
+    ok = client.post("/generate", json={
+        "text": "abc", "logprob_start_len": 50,
+        "sampling_params": {"max_new_tokens": 1, "custom_params": None}})
+    assert ok.status_code == 200, ok.text
+    for body, field in (({"sampling_params": {"custom_params": {"k": 1}}}, "custom_params"),
+                        ({"token_ids_logprob": [1, 2]}, "token_ids_logprob")):
+        r = client.post("/generate", json={"text": "abc", **body})
+        assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+

@@ -21,6 +21,10 @@ MIN_REPETITION_PENALTY = 1e-6  # 1 / penalty stays far from float32 overflow
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range, [-100, 100]
 
 
+# SGLang sampling parameters radixray knows but does not implement: a value is a 400 saying so.
+UNSUPPORTED = {"custom_params": "not supported (radixray has no custom logit processors)"}
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
@@ -49,11 +53,12 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, d: dict | None) -> "SamplingParams":
         """Build from a client dict. Unknown keys raise; None and empty values keep defaults."""
-        d = dict(d or {})
+        d = {k: v for k, v in (d or {}).items() if v is not None}  # null: not given
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"{unknown[0]}: unknown sampling parameter")
+            why = UNSUPPORTED.get(unknown[0], "unknown sampling parameter")
+            raise ValueError(f"{unknown[0]}: {why}")
         kwargs = {k: v for k, v in d.items() if v is not None and v != [] and v != ""}
         for key in ("stop", "stop_regex"):
             if isinstance(kwargs.get(key), str):
