@@ -18,6 +18,11 @@ the non-streamed text by construction; for byte-level tokenizers both equal
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import weakref
+
 from ..scheduler.stop import find_stop, regex_holdback
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -106,3 +111,109 @@ class IncrementalDetokenizer:
 def token_texts(tokenizer, token_ids: list[int]) -> list[str]:
     """Each token decoded on its own (special tokens kept), for logprob entries."""
     return [tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
+
+
+def text_offsets(tokenizer, token_ids: list[int], start: int = 0,
+                 skip_special_tokens: bool = True) -> list[int]:
+    """Where each token's text begins in ``decode(token_ids)`` (shifted by ``start``).
+
+    Tokens are decoded in windows that end on a whole character, as the detokenizer releases
+    text, so the offsets never drift by the U+FFFD a lone partial token decodes to: a token
+    that continues a character begins where the character begins. A special token is
+    zero-width when ``skip_special_tokens`` (it is not in the text), else as wide as its name.
+    """
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) if ids else ""
+
+    offsets, window, position = [], [], start
+    for i, token in enumerate(token_ids):
+        window.append(token)
+        text = decode(window)
+        if text.endswith(REPLACEMENT_CHAR) and i + 1 < len(token_ids):
+            continue  # may end inside a character: wait for the next token
+        # A token begins where its window's text stops agreeing with the text before it
+        # ("\ufffd" for a partial character, which the whole window turns into the character).
+        offsets += [position + len(os.path.commonprefix([decode(window[:k]), text]))
+                    for k in range(len(window))]
+        position += len(text)
+        window = []
+    return offsets
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """The inverse of GPT-2's byte-to-character table, which byte-level BPE vocabularies are
+    written in: printable Latin-1 bytes stand for themselves, every other byte for the
+    character 256 + its rank among those others (so no byte is whitespace or a control)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {b: chr(b) for b in printable}
+    others = (b for b in range(256) if b not in chars)
+    chars.update({b: chr(256 + rank) for rank, b in enumerate(others)})
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
+_SENTENCEPIECE_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+SENTENCEPIECE_SPACE = "\u2581"
+
+
+class TokenBytes:
+    """A token's raw bytes (OpenAI logprobs' ``bytes``), which for a token holding part of a
+    UTF-8 character are not the bytes of its decoded text (U+FFFD). How vocabulary strings
+    map to bytes is read from the tokenizer once: byte-level BPE (GPT-2's alphabet),
+    SentencePiece ("<0xHH>" byte tokens, "\u2581" for a space), else the decoded text. Added
+    and special tokens are their text's UTF-8. Use ``TokenBytes.of(tokenizer)``."""
+
+    _by_tokenizer: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.scheme = _vocabulary_scheme(tokenizer)
+        self.added = {i: t.content for i, t in
+                      (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()}
+        self._memo: dict[int, bytes] = {}
+
+    @classmethod
+    def of(cls, tokenizer) -> "TokenBytes":
+        try:
+            found = cls._by_tokenizer.get(tokenizer)
+            if found is None:
+                found = cls._by_tokenizer[tokenizer] = cls(tokenizer)
+            return found
+        except TypeError:  # a tokenizer that cannot be weakly referenced: not cached
+            return cls(tokenizer)
+
+    def __call__(self, token_id: int) -> bytes:
+        found = self._memo.get(token_id)
+        if found is None:
+            found = self._memo[token_id] = self._compute(token_id)
+        return found
+
+    def _compute(self, token_id: int) -> bytes:
+        if token_id in self.added:
+            return self.added[token_id].encode()
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            if self.scheme == "byte_level" and all(c in _BYTE_LEVEL_ALPHABET for c in piece):
+                return bytes(_BYTE_LEVEL_ALPHABET[c] for c in piece)
+            if self.scheme == "sentencepiece":
+                byte = _SENTENCEPIECE_BYTE.fullmatch(piece)
+                if byte:
+                    return bytes([int(byte[1], 16)])
+                return piece.replace(SENTENCEPIECE_SPACE, " ").encode()
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
+
+def _vocabulary_scheme(tokenizer) -> str:
+    """byte_level | sentencepiece | text, from the fast tokenizer's decoder."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    try:
+        decoder = json.loads(backend.to_str()).get("decoder") or {}
+    except (AttributeError, TypeError, ValueError):
+        return "text"
+    kinds = {d.get("type") for d in [decoder, *(decoder.get("decoders") or [])]
+             if isinstance(d, dict)}
+    if "ByteLevel" in kinds:
+        return "byte_level"
+    if "ByteFallback" in kinds or "Metaspace" in kinds:
+        return "sentencepiece"
+    return "text"

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 from ..router.disconnect import until_disconnect as await_unless_disconnected
+from ..scheduler.request import MAX_SEED
 from .detokenizer import IncrementalDetokenizer
 from .engine_protocol import EngineClient, GenerateRequest, TokenOutput
 
@@ -323,9 +324,16 @@ SSE_DONE = "data: [DONE]\n\n"
 
 def expand_copies(req: GenerateRequest, n: int) -> list[GenerateRequest]:
     """``n`` copies of ``req`` with rids ``rid-0..`` and seeds ``seed+i`` (so copies differ
-    but copy 0 equals the n=1 request with the same seed)."""
+    but copy 0 equals the n=1 request with the same seed); a seed past the largest wraps
+    around, as the sampler takes seeds modulo 2**64."""
     if n == 1:
         return [req]
     sp = req.sampling_params
-    return [replace(req, rid=f"{req.rid}-{i}", sampling_params=replace(
-        sp, n=1, seed=None if sp.seed is None else sp.seed + i)) for i in range(n)]
+
+    def seed(i: int) -> int | None:
+        if sp.seed is None:
+            return None
+        return sp.seed + i if sp.seed + i <= MAX_SEED else sp.seed + i - (1 << 64)
+
+    return [replace(req, rid=f"{req.rid}-{i}", sampling_params=replace(sp, n=1, seed=seed(i)))
+            for i in range(n)]

@@ -3,8 +3,9 @@ serving the OpenAI-compatible API, SGLang's native API and the operational endpo
 ``EngineClient`` (the in-process engine or a Ray replica).
 
 Errors: a ``/v1/...`` path answers ``{"object": "error", "message", "type", "param", "code"}``,
-every other path ``{"error": {"message", ...}}``; bad input is a 400 whose message starts with
-the field's name. A client that goes away mid-request has its request aborted (KV freed).
+every other path ``{"error": {"message", ...}}``, an unknown path (404) or method (405) too;
+bad input is a 400 whose message starts with the field's name (``messages[0].role``). A
+client that goes away mid-request has its request aborted (KV freed).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
 
 from .. import __version__
 from ..router.config import CACHE_EPOCH_HEADER
+from ..router.proxy import ERROR_TYPES
 from . import native_api, openai_api
 from .engine_protocol import EngineClient
 from .generation import (APIError, ServingContext, bad_request, collect_states,
@@ -63,11 +66,17 @@ def error_body(path: str, err: APIError) -> dict:
 
 
 def validation_error(e: ValidationError) -> APIError:
-    """The first pydantic error as a 400 naming its field (union-member tags dropped)."""
+    """The first pydantic error as a 400 naming its field as the hand-written checks do
+    (``messages[0].content``; union-member tags dropped)."""
     err = e.errors()[0]
-    parts = [p for p in err["loc"] if isinstance(p, int) or not any(c in p for c in "[]-")
-             and p not in ("str", "int", "float", "bool", "list", "dict", "none")]
-    name = ".".join(str(p) for p in parts) or "body"
+    name = ""
+    for part in err["loc"]:
+        if isinstance(part, int):
+            name += f"[{part}]"
+        elif not any(c in part for c in "[]-") and part not in (
+                "str", "int", "float", "bool", "list", "dict", "none"):
+            name += f".{part}" if name else part
+    name = name or "body"
     return bad_request(f"{name}: {err['msg']}", param=name)
 
 
@@ -161,6 +170,12 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
     async def _api_error(request: Request, err: APIError):
         return JSONResponse(error_body(request.url.path, err), status_code=err.status)
 
+    @app.exception_handler(HTTPException)  # no such route (404) or method (405)
+    async def _http_error(request: Request, exc: HTTPException):
+        err = APIError(exc.status_code, exc.detail, err_type=ERROR_TYPES.get(exc.status_code))
+        return JSONResponse(error_body(request.url.path, err), status_code=exc.status_code,
+                            headers=exc.headers)
+
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):
         err = APIError(500, f"internal error: {type(e).__name__}: {e}",
@@ -199,11 +214,18 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
     for path in ("/server_info", "/get_server_info"):
         app.add_api_route(path, _server_info, methods=["GET"])
 
+    model_card = {"id": args.model_name, "object": "model", "created": 0,
+                  "owned_by": "radixray", "root": args.model_path,
+                  "max_model_len": ctx.context_len}
+
     @app.get("/v1/models")
     async def _models():
-        return {"object": "list", "data": [{
-            "id": args.model_name, "object": "model", "created": 0, "owned_by": "radixray",
-            "root": args.model_path, "max_model_len": ctx.context_len}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model:path}")  # OpenAI's "retrieve model"; a path may hold "/"
+    async def _model(model: str):
+        openai_api.check_model(model, ctx, args.model_path)
+        return model_card
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def _flush():
@@ -271,13 +293,13 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
     @app.post("/v1/completions")
     async def _completions(request: Request):
         body = await parse_body(request, openai_api.CompletionRequest)
-        openai_api.check_model(body, ctx, args.model_path)
+        openai_api.check_model(body.model, ctx, args.model_path)
         return await completions(request, ctx, body)
 
     @app.post("/v1/chat/completions")
     async def _chat(request: Request):
         body = await parse_body(request, openai_api.ChatCompletionRequest)
-        openai_api.check_model(body, ctx, args.model_path)
+        openai_api.check_model(body.model, ctx, args.model_path)
         return await chat_completions(request, ctx, body)
 
     return app

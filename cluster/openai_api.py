@@ -1,5 +1,5 @@
-"""OpenAI-compatible ``/v1/completions`` and ``/v1/chat/completions``: request models, their
-translation into engine requests, and the response / stream-chunk shapes.
+"""OpenAI-compatible ``/v1/completions`` and ``/v1/chat/completions``: request models and their
+translation into engine requests (the response shapes are in ``openai_responses``).
 
 SGLang's extra request fields are accepted (top_k, min_p, repetition_penalty, min_tokens,
 ignore_eos, stop_token_ids, skip_special_tokens, no_stop_trim, regex, json_schema, ebnf,
@@ -10,23 +10,25 @@ clients send a few this server has no use for (user, store, metadata).
 from __future__ import annotations
 
 import json
-import time
+import re
 from dataclasses import replace
-from typing import Any, Literal
+from functools import lru_cache
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..worker.sampling_params import SamplingParams
-from .detokenizer import token_texts
 from .engine_protocol import GenerateRequest
-from .generation import (APIError, RequestState, ServingContext, bad_request, expand_copies,
-                         new_rid)
+from .generation import APIError, ServingContext, bad_request, expand_copies, new_rid
 from .request_checks import check_lengths, check_sampling_params, check_text, check_token_ids
 from .tool_calls import NamedToolChoice, Tool, ToolPlan, plan_tools, template_message
 
-# SamplingParams name -> the OpenAI field a client wrote
-RENAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 MAX_TOP_LOGPROBS = 20
+MAX_COPIES = 128  # n and best_of, as SamplingParams.n
+# OpenAI's chat roles ("function" is the deprecated form of "tool")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+# What a role becomes for a chat template that does not name it
+TEMPLATE_ROLE_FALLBACKS = {"developer": "system", "function": "tool"}
 
 
 class StreamOptions(BaseModel):
@@ -88,6 +90,8 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool | None = False
+    best_of: int | None = None  # candidates per prompt; the n most likely are returned
+    suffix: str | None = None  # insert mode: only null or "" (the models have none)
 
 
 class ContentPart(BaseModel):
@@ -98,7 +102,7 @@ class ContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    role: str
+    role: Literal[CHAT_ROLES]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
@@ -119,8 +123,20 @@ class ChatCompletionRequest(_SamplingFields):
 # Requests
 
 
-def sampling_params(body: _SamplingFields, max_new_tokens: int) -> SamplingParams:
-    """The SamplingParams a request asks for (OpenAI defaults: temperature 1, top_p 1)."""
+def client_field_names(body: _SamplingFields) -> dict[str, str]:
+    """SamplingParams name -> the field this request wrote, for the names in 400s."""
+    names = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+    if getattr(body, "max_completion_tokens", None) is not None:
+        names["max_new_tokens"] = "max_completion_tokens"
+    if body.response_format is not None and body.response_format.type != "text":
+        names["json_schema"] = "response_format"  # the schema came from there
+    return names
+
+
+def sampling_params(body: _SamplingFields, max_new_tokens: int,
+                    names: dict[str, str]) -> SamplingParams:
+    """The SamplingParams a request asks for (OpenAI defaults: temperature 1, top_p 1);
+    ``names`` as ``client_field_names``."""
     values = {
         "max_new_tokens": max_new_tokens, "min_new_tokens": body.min_tokens, "n": body.n,
         "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
@@ -147,14 +163,14 @@ def sampling_params(body: _SamplingFields, max_new_tokens: int) -> SamplingParam
         sp = SamplingParams.from_dict(values)
     except ValueError as e:
         name, _, msg = str(e).partition(": ")
-        raise bad_request(f"{RENAME.get(name, name)}: {msg}", param=RENAME.get(name, name))
+        raise bad_request(f"{names.get(name, name)}: {msg}", param=names.get(name, name))
     return sp
 
 
-def check_model(body: _SamplingFields, ctx: ServingContext, model_path: str) -> None:
-    """404 model_not_found unless the request names the served model (or its path)."""
-    if body.model not in (ctx.model_name, model_path):
-        raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
+def check_model(model: str, ctx: ServingContext, model_path: str) -> None:
+    """404 model_not_found unless ``model`` names the served model (or its path)."""
+    if model not in (ctx.model_name, model_path):
+        raise APIError(404, f"The model '{model}' does not exist; this server serves "
                             f"'{ctx.model_name}'", param="model", code="model_not_found",
                        err_type="NotFoundError")
 
@@ -174,9 +190,34 @@ def _check_max(value: int | None, name: str) -> None:
         raise bad_request(f"{name}: must be a non-negative integer", param=name)
 
 
-def completion_requests(body: CompletionRequest, ctx: ServingContext
-                        ) -> tuple[list[GenerateRequest], list[list[GenerateRequest]]]:
-    """Per prompt: the request filling its cache (used when n > 1) and its n copies."""
+class CompletionBatch(NamedTuple):
+    """A /v1/completions request as engine requests: per prompt, the request filling its cache
+    (used when it has several copies) and its copies, ``best_of`` of them when that is more
+    than ``n`` (the answer keeps the ``n`` most likely)."""
+
+    rid: str  # the response's id, whatever the number of prompts
+    firsts: list[GenerateRequest]
+    copies: list[list[GenerateRequest]]
+    n: int
+
+
+def _check_candidates(body: CompletionRequest, n: int) -> int:
+    """How many copies of each prompt to generate: ``best_of`` if given, else ``n``."""
+    if body.suffix:
+        raise bad_request("suffix: not supported (the model has no insert mode)", param="suffix")
+    if body.best_of is None or body.best_of == n:
+        return n
+    if body.best_of < n:
+        raise bad_request(f"best_of: must be at least n ({n})", param="best_of")
+    if body.best_of > MAX_COPIES:
+        raise bad_request(f"best_of: must be at most {MAX_COPIES}", param="best_of")
+    if body.stream:
+        raise bad_request("best_of: cannot be combined with stream (the best are known only "
+                          "at the end)", param="best_of")
+    return body.best_of
+
+
+def completion_requests(body: CompletionRequest, ctx: ServingContext) -> CompletionBatch:
     p = body.prompt
     if isinstance(p, str):
         prompts = [p]
@@ -190,8 +231,11 @@ def completion_requests(body: CompletionRequest, ctx: ServingContext
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
         raise bad_request(f"logprobs: must be in [0, {MAX_TOP_LOGPROBS}]", param="logprobs")
-    sp = sampling_params(body, max_tokens)
-    check_sampling_params(sp, ctx.vocab_size, RENAME)
+    names = client_field_names(body)
+    sp = sampling_params(body, max_tokens, names)
+    check_sampling_params(sp, ctx.vocab_size, names)
+    candidates = _check_candidates(body, sp.n)
+    ranked = candidates > sp.n  # the answer ranks copies by their output logprobs
     base = body.rid or new_rid()
     firsts, copies = [], []
     for i, prompt in enumerate(prompts):
@@ -203,14 +247,14 @@ def completion_requests(body: CompletionRequest, ctx: ServingContext
         else:
             ids = list(prompt)
             check_token_ids(ids, ctx.vocab_size, "prompt")
-        check_lengths(len(ids), max_tokens, ctx.context_len, "prompt", "max_tokens")
+        check_lengths(len(ids), max_tokens, ctx.context_len, "prompt", names["max_new_tokens"])
         rid = base if len(prompts) == 1 else f"{base}-{i}"
         start = 0 if body.echo else len(ids) - 1
         req = _engine_request(body, ctx, ids, sp, rid, start, body.logprobs or 0,
-                              body.logprobs is not None)
+                              body.logprobs is not None or ranked)
         firsts.append(req)
-        copies.append(expand_copies(req, sp.n))
-    return firsts, copies
+        copies.append(expand_copies(req, candidates))
+    return CompletionBatch(base, firsts, copies, sp.n)
 
 
 def chat_prompt_ids(body: ChatCompletionRequest, tokenizer,
@@ -227,9 +271,10 @@ def chat_prompt_ids(body: ChatCompletionRequest, tokenizer,
                 raise bad_request(f"messages[{i}].content: only text parts are supported",
                                   param="messages")
             content = "".join(part.text for part in content)
-        check_text(m.role, f"messages[{i}].role")
         check_text(content or "", f"messages[{i}].content")
-        messages.append(template_message(m, content or ""))
+        message = template_message(m, content or "")
+        message["role"] = template_role(m.role, tokenizer.chat_template)
+        messages.append(message)
     try:
         text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                              add_generation_prompt=True)
@@ -237,6 +282,22 @@ def chat_prompt_ids(body: ChatCompletionRequest, tokenizer,
         raise bad_request(f"messages: the chat template rejected them ({e})",
                           param="messages") from None
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def template_role(role: str, template) -> str:
+    """``role``, or what stands in for it when the chat template never compares a message's
+    role with it (a template that knows only "system" would drop or garble "developer")."""
+    fallback = TEMPLATE_ROLE_FALLBACKS.get(role)
+    if fallback is None or not isinstance(template, str) or _template_names_role(template, role):
+        return role
+    return fallback
+
+
+@lru_cache(maxsize=64)
+def _template_names_role(template: str, role: str) -> bool:
+    """Whether one jinja statement of ``template`` mentions ``role`` and compares it as a
+    string: ``message.role == "developer"``, ``message['role'] in ['system', 'developer']``."""
+    return re.search(r"role\b[^%}]*['\"]" + re.escape(role) + r"['\"]", template) is not None
 
 
 def tool_plan(body, parser_name: str | None) -> ToolPlan:
@@ -264,119 +325,15 @@ def chat_requests(body: ChatCompletionRequest, ctx: ServingContext
     limit = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     max_tokens = max(ctx.context_len - len(ids), 0) if limit is None else limit
-    sp = sampling_params(body, max_tokens)
+    names = client_field_names(body)
+    sp = sampling_params(body, max_tokens, names)
     if plan.forced_ebnf is not None:
         if sp.regex is not None or sp.json_schema is not None or sp.ebnf is not None:
             raise bad_request("tool_choice: a forced call cannot be combined with regex, "
                               "json_schema, ebnf or response_format", param="tool_choice")
         sp = replace(sp, ebnf=plan.forced_ebnf)
-    check_sampling_params(sp, ctx.vocab_size, RENAME)
-    check_lengths(len(ids), max_tokens, ctx.context_len, "messages", "max_tokens")
+    check_sampling_params(sp, ctx.vocab_size, names)
+    check_lengths(len(ids), max_tokens, ctx.context_len, "messages", names["max_new_tokens"])
     req = _engine_request(body, ctx, ids, sp, body.rid or new_rid(), len(ids) - 1,
                           body.top_logprobs or 0, bool(body.logprobs))
     return req, expand_copies(req, sp.n), plan
-
-
-# ---------------------------------------------------------------------------------------------
-# Responses
-
-
-def usage(states: list[RequestState], n: int) -> dict:
-    """Prompt tokens once per prompt (every n-th state); completion and cached tokens summed."""
-    prompt = sum(s.prompt_tokens or len(s.req.input_ids) for s in states[::n])
-    completion = sum(s.completion_tokens for s in states)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in states)}}
-
-
-def finish_fields(state: RequestState) -> dict:
-    reason = state.finish_reason if state.finished else None
-    return {"finish_reason": None if reason is None else reason.get("type"),
-            "matched_stop": None if reason is None else reason.get("matched")}
-
-
-def completion_logprobs(pairs, tops, tokenizer, offset: int) -> dict:
-    """OpenAI's legacy logprobs object for the (logprob, id) pairs; text offsets start at
-    ``offset`` (the length of the text before these tokens) and advance by each token's
-    visible text: a special token such as the prompt's BOS is listed by name but is in neither
-    the echoed prompt nor the output text."""
-    ids = [t for _, t in pairs]
-    texts = token_texts(tokenizer, ids)
-    offsets = []
-    for visible in (tokenizer.decode([t], skip_special_tokens=True) for t in ids):
-        offsets.append(offset)
-        offset += len(visible)
-    top = []
-    for row in tops or [None] * len(pairs):
-        if row is None:
-            top.append(None)
-        else:
-            names = token_texts(tokenizer, [t for _, t in row])
-            top.append({name: lp for name, (lp, _) in zip(names, row)})
-    return {"tokens": texts, "token_logprobs": [lp for lp, _ in pairs],
-            "top_logprobs": top if tops is not None else None, "text_offset": offsets}
-
-
-def chat_logprobs(pairs, tops, tokenizer) -> dict:
-    texts = token_texts(tokenizer, [t for _, t in pairs])
-    content = []
-    for k, (text, (lp, _)) in enumerate(zip(texts, pairs)):
-        row = tops[k] if tops and k < len(tops) and tops[k] else []
-        names = token_texts(tokenizer, [t for _, t in row])
-        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
-                        "top_logprobs": [{"token": nm, "logprob": tlp, "bytes": list(nm.encode())}
-                                         for nm, (tlp, _) in zip(names, row)]})
-    return {"content": content}
-
-
-def completion_choice(index: int, state: RequestState, body: CompletionRequest, tokenizer,
-                      prompt_text: str) -> dict:
-    text = state.text
-    logprobs = None
-    if body.logprobs is not None:
-        want_top = body.logprobs > 0
-        pairs, tops, offset = state.output_token_logprobs, state.output_top_logprobs, 0
-        if body.echo:
-            inputs = state.input_token_logprobs or []
-            pairs = list(inputs) + list(pairs)
-            tops = list(state.input_top_logprobs or [None] * len(inputs)) + list(tops)
-        logprobs = completion_logprobs(pairs, tops if want_top else None, tokenizer, offset)
-    if body.echo:
-        text = prompt_text + text
-    return {"index": index, "text": text, "logprobs": logprobs, **finish_fields(state)}
-
-
-def chat_choice(index: int, state: RequestState, body: ChatCompletionRequest, tokenizer,
-                plan: ToolPlan) -> dict:
-    logprobs = None
-    if body.logprobs:
-        logprobs = chat_logprobs(state.output_token_logprobs, state.output_top_logprobs,
-                                 tokenizer)
-    message = {"role": "assistant", "content": state.text}
-    fields = finish_fields(state)
-    if plan.parser is not None:
-        content, calls = plan.parser.parse(state.text, plan.names)
-        if calls:
-            message = {"role": "assistant", "content": content or None,
-                       "tool_calls": [c.to_openai() for c in calls]}
-            fields = tool_finish_fields(state)
-    return {"index": index, "message": message, "logprobs": logprobs, **fields}
-
-
-def tool_finish_fields(state: RequestState) -> dict:
-    """A reply that ended in calls finishes with "tool_calls" (unless cut by a limit)."""
-    fields = finish_fields(state)
-    if fields["finish_reason"] == "stop":
-        fields = {**fields, "finish_reason": "tool_calls"}
-    return fields
-
-
-def envelope(kind: str, rid: str, model: str, choices: list[dict], usage_: dict | None) -> dict:
-    """kind: text_completion | chat.completion | chat.completion.chunk."""
-    prefix = "cmpl-" if kind == "text_completion" else "chatcmpl-"
-    out = {"id": prefix + rid, "object": kind, "created": int(time.time()), "model": model,
-           "choices": choices}
-    if usage_ is not None or not kind.endswith("chunk"):
-        out["usage"] = usage_
-    return out

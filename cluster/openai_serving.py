@@ -1,7 +1,7 @@
 """Running OpenAI completions and chat completions: whole responses and SSE streams.
 
-Request parsing and response shapes live in ``openai_api``; this module drives the engine
-through ``generation`` and decides what each stream chunk carries.
+Request parsing lives in ``openai_api``, response shapes in ``openai_responses``; this module
+drives the engine through ``generation`` and decides what each stream chunk carries.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from . import openai_api as oa
+from . import openai_responses as res
 from .generation import (SSE_DONE, APIError, RequestState, ServingContext, Session,
                          as_api_error, collect_states, prepare_off_loop_if_large, run_all, sse,
                          until_disconnect)
@@ -59,47 +60,32 @@ def _streaming(events, session: Session) -> StreamingResponse:
 
 
 async def completions(request: Request, ctx: ServingContext, body: oa.CompletionRequest):
-    firsts, copies = await prepare_off_loop_if_large(request, oa.completion_requests, body, ctx)
-    n = len(copies[0])
-    base = body.rid or firsts[0].rid
-    session = ctx.open_session(base, [r for group in copies for r in group])
+    batch = await prepare_off_loop_if_large(request, oa.completion_requests, body, ctx)
+    firsts, copies = batch.firsts, batch.copies
+    session = ctx.open_session(batch.rid, [r for group in copies for r in group])
     if isinstance(body.prompt, str):
         prompts = [body.prompt]
     elif all(isinstance(p, str) for p in body.prompt):
         prompts = list(body.prompt)
-    else:  # token ids; only echo needs their text
-        prompts = [ctx.tokenizer.decode(r.input_ids) if body.echo else "" for r in firsts]
-    if body.stream:
-        return _streaming(_completion_events(ctx, body, base, firsts, copies, prompts, session),
-                          session)
+    else:  # token ids, echoed as they decode with their special tokens (openai_responses)
+        prompts = [ctx.tokenizer.decode(r.input_ids, skip_special_tokens=False) if body.echo
+                   else "" for r in firsts]
+    if body.stream:  # never with best_of > n (a 400)
+        return _streaming(_completion_events(ctx, body, batch, prompts, session), session)
     states = await _run(request, ctx, session, firsts, copies)
     if isinstance(states, Response):
         return states
-    choices = [oa.completion_choice(i, s, body, ctx.tokenizer, prompts[i // n])
-               for i, s in enumerate(states)]
-    return JSONResponse(oa.envelope("text_completion", base, ctx.model_name, choices,
-                                    oa.usage(states, n)))
+    candidates = len(copies[0])
+    shown = res.most_likely(states, candidates, batch.n) if candidates > batch.n else states
+    choices = [res.completion_choice(i, s, body, ctx.tokenizer, prompts[i // batch.n])
+               for i, s in enumerate(shown)]
+    return JSONResponse(res.envelope("text_completion", batch.rid, ctx.model_name, choices,
+                                     res.usage(states, candidates)))
 
 
-def _chunk_logprobs(ctx, body: oa.CompletionRequest, state: RequestState, start: int, end: int,
-                    echoed: str, first: bool) -> dict:
-    """A streamed chunk's logprobs: output tokens ``start:end``, and in a choice's first chunk
-    with echo the prompt's tokens before them, as the non-streamed answer lists them."""
-    pairs = list(state.output_token_logprobs[start:end])
-    tops = list(state.output_top_logprobs[start:end])
-    offset = len(echoed) + len(state.text) - len(state.delta)
-    if echoed and first:
-        inputs = list(state.input_token_logprobs or [])
-        pairs = inputs + pairs
-        tops = list(state.input_top_logprobs or [None] * len(inputs)) + tops
-        offset = 0
-    return oa.completion_logprobs(pairs, tops if body.logprobs > 0 else None, ctx.tokenizer,
-                                  offset)
-
-
-async def _completion_events(ctx, body: oa.CompletionRequest, base: str, firsts, copies,
+async def _completion_events(ctx, body: oa.CompletionRequest, batch: oa.CompletionBatch,
                              prompts: list[str], session: Session):
-    n = len(copies[0])
+    firsts, copies, base, n = batch.firsts, batch.copies, batch.rid, batch.n
     sent_logprobs: dict[int, int] = {}
     finals: dict[int, RequestState] = {}
     try:
@@ -117,17 +103,20 @@ async def _completion_events(ctx, body: oa.CompletionRequest, base: str, firsts,
                 logprobs, start = None, sent_logprobs.get(i, 0)
                 end = len(state.output_token_logprobs)
                 if body.logprobs is not None:
-                    logprobs = _chunk_logprobs(ctx, body, state, start, end,
-                                               prompts[i // n] if body.echo else "", first)
+                    echoed = prompts[i // n] if body.echo else ""
+                    logprobs = res.completion_chunk_logprobs(
+                        state, body.logprobs, ctx.tokenizer, start, end,
+                        len(echoed) + len(state.text) - len(state.delta),
+                        echoed if body.echo and first else None)
                 sent_logprobs[i] = end
                 choice = {"index": i, "text": text, "logprobs": logprobs,
-                          **oa.finish_fields(state)}
-                yield sse(oa.envelope("text_completion", base, ctx.model_name, [choice], None))
+                          **res.finish_fields(state)}
+                yield sse(res.envelope("text_completion", base, ctx.model_name, [choice], None))
             else:
                 if body.stream_options and body.stream_options.include_usage:
                     states = [finals[i] for i in sorted(finals)]
-                    yield sse(oa.envelope("text_completion", base, ctx.model_name, [],
-                                          oa.usage(states, n)))
+                    yield sse(res.envelope("text_completion", base, ctx.model_name, [],
+                                           res.usage(states, n)))
         yield SSE_DONE
     except Exception as e:
         yield _error_event(as_api_error(e))
@@ -149,9 +138,9 @@ async def chat_completions(request: Request, ctx: ServingContext,
     states = await _run(request, ctx, session, [first], [copies])
     if isinstance(states, Response):
         return states
-    choices = [oa.chat_choice(i, s, body, ctx.tokenizer, plan) for i, s in enumerate(states)]
-    return JSONResponse(oa.envelope("chat.completion", first.rid, ctx.model_name, choices,
-                                    oa.usage(states, len(copies))))
+    choices = [res.chat_choice(i, s, body, ctx.tokenizer, plan) for i, s in enumerate(states)]
+    return JSONResponse(res.envelope("chat.completion", first.rid, ctx.model_name, choices,
+                                     res.usage(states, len(copies))))
 
 
 async def _chat_events(ctx, body: oa.ChatCompletionRequest, first, copies, session: Session,
@@ -163,9 +152,9 @@ async def _chat_events(ctx, body: oa.ChatCompletionRequest, first, copies, sessi
     def chunk(i: int, delta: dict, logprobs, state: RequestState | None,
               fields: dict | None = None) -> str:
         if fields is None:
-            fields = oa.finish_fields(state) if state is not None else {"finish_reason": None}
+            fields = res.finish_fields(state) if state is not None else {"finish_reason": None}
         choice = {"index": i, "delta": delta, "logprobs": logprobs, **fields}
-        return sse(oa.envelope("chat.completion.chunk", first.rid, ctx.model_name, [choice],
+        return sse(res.envelope("chat.completion.chunk", first.rid, ctx.model_name, [choice],
                                None))
 
     try:
@@ -191,7 +180,7 @@ async def _chat_events(ctx, body: oa.ChatCompletionRequest, first, copies, sessi
                     continue  # text held back (partial character, possible stop or call)
                 logprobs, end = None, len(state.output_token_logprobs)
                 if body.logprobs:
-                    logprobs = oa.chat_logprobs(state.output_token_logprobs[started[i]:end],
+                    logprobs = res.chat_logprobs(state.output_token_logprobs[started[i]:end],
                                                 state.output_top_logprobs[started[i]:end],
                                                 ctx.tokenizer)
                 started[i] = end
@@ -199,12 +188,12 @@ async def _chat_events(ctx, body: oa.ChatCompletionRequest, first, copies, sessi
                 if calls:
                     delta["tool_calls"] = [c.to_openai(index=k) for k, c in enumerate(calls)]
                 yield chunk(i, delta, logprobs, state if state.finished else None,
-                            oa.tool_finish_fields(state) if calls else None)
+                            res.tool_finish_fields(state) if calls else None)
             else:
                 if body.stream_options and body.stream_options.include_usage:
                     states = [finals[i] for i in sorted(finals)]
-                    yield sse(oa.envelope("chat.completion.chunk", first.rid, ctx.model_name, [],
-                                          oa.usage(states, len(copies))))
+                    yield sse(res.envelope("chat.completion.chunk", first.rid, ctx.model_name,
+                                           [], res.usage(states, len(copies))))
         yield SSE_DONE
     except Exception as e:
         yield _error_event(as_api_error(e))

@@ -4,19 +4,25 @@
 from __future__ import annotations
 
 import json
+import re
 
 from ..scheduler.grammar import validate_grammar
+from ..scheduler.request import MAX_SEED, MIN_SEED
 from ..worker.sampling_params import SamplingParams
 from .generation import bad_request
 
 
 def check_sampling_params(sp: SamplingParams, vocab_size: int | None,
                           rename: dict[str, str] | None = None) -> None:
-    """``sp.verify`` plus type checks it leaves out; raises a 400 naming the client's field
-    (``rename`` maps SamplingParams names to the API's, e.g. max_new_tokens -> max_tokens)."""
+    """``sp.verify`` plus checks it leaves out; raises a 400 naming the client's field
+    (``rename`` maps SamplingParams names to the API's, e.g. max_new_tokens -> max_tokens, in
+    the message's text too: "min_tokens: must not exceed max_tokens")."""
     rename = rename or {}
     try:
         sp.verify(vocab_size)
+        if sp.seed is not None and not MIN_SEED <= sp.seed <= MAX_SEED:
+            # the sampler mixes seeds as 64 bits: a wider one would alias a narrower one
+            raise ValueError(f"seed: must be in [{MIN_SEED}, {MAX_SEED}] (64 bits)")
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
                      "no_stop_trim"):
             if not isinstance(getattr(sp, name), bool):
@@ -33,6 +39,8 @@ def check_sampling_params(sp: SamplingParams, vocab_size: int | None,
             validate_grammar(*sp.constraint)
     except ValueError as e:
         name, _, msg = str(e).partition(": ")
+        for ours, theirs in rename.items():
+            msg = re.sub(rf"\b{ours}\b", theirs, msg)
         name = rename.get(name, name)
         raise bad_request(f"{name}: {msg}", param=name) from None
 

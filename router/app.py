@@ -19,6 +19,7 @@ import time
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
@@ -39,7 +40,7 @@ log = logging.getLogger("radixray.router")
 
 GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 INFO_ROUTES = ("/get_model_info", "/model_info", "/get_server_info", "/server_info",
-               "/v1/models", "/health_generate")
+               "/v1/models", "/v1/models/{model:path}", "/health_generate")
 
 
 class Router:
@@ -131,16 +132,18 @@ class Router:
             if admitted:
                 self.admission.release()
 
+        # Only a body that cannot be routed is refused here (in the replica's words); any
+        # other problem is the replica's to name, so both ports answer alike.
         raw = await request.body()
         try:
-            body = json.loads(raw)
+            body = json.loads(raw) if raw else None
             if not isinstance(body, dict):
                 raise BadRequest("body: must be a JSON object")
             info = RequestInfo(request_text(body), routing_key(body, request.headers))
         except BadRequest as exc:
             return self._reject(route, 400, str(exc), finish)
         except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
-            return self._reject(route, 400, f"body: not valid JSON ({exc})", finish)
+            return self._reject(route, 400, f"body: malformed JSON ({exc})", finish)
         try:
             await self.admission.acquire()
         except Rejected as exc:
@@ -294,6 +297,12 @@ def build_app(config: RouterConfig, router: Router | None = None) -> Starlette:
         Route("/workers/{url:path}", router.delete_worker, methods=["DELETE"]),
         Route("/metrics", router.metrics_endpoint, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+
+    async def no_such_route(request: Request, exc: HTTPException) -> Response:
+        # 404 / 405 in the replica's error shape (OpenAI's on /v1/...)
+        return error_response(request.url.path, exc.status_code, exc.detail, exc.headers)
+
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: no_such_route})
     app.state.router = router
     return app

@@ -45,11 +45,12 @@ def downstream_headers(headers) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
 
 
-ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 429: "TooManyRequests",
-               502: "BadGatewayError", 503: "ServiceUnavailableError"}
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+               429: "TooManyRequests", 502: "BadGatewayError", 503: "ServiceUnavailableError"}
 
 
-def error_response(route: str, status: int, message: str) -> JSONResponse:
+def error_response(route: str, status: int, message: str,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
     """An error in the style of the route, shaped as a replica's own (SGLang's): OpenAI's for
     /v1/..., SGLang's native otherwise. A client error's message starts with its field, which
     becomes ``param``."""
@@ -61,7 +62,7 @@ def error_response(route: str, status: int, message: str) -> JSONResponse:
                 "code": status}
     else:
         body = {"error": {"message": message, "code": status, "param": param}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 @dataclass

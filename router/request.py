@@ -1,6 +1,7 @@
 """What the router reads from requests and responses (pure functions, no I/O).
 
-Request side: the text the tree matches on, and the routing key for consistent_hash.
+Request side: the text the tree matches on, and the routing key for consistent_hash; both read
+leniently, since the replica validates the request and names any problem.
 Response side: ``cached_tokens`` and ``prompt_tokens`` for the real cache hit rate, from a JSON
 body or from the last event of a server-sent-event stream.
 """
@@ -16,76 +17,73 @@ class BadRequest(ValueError):
     """Client error; the message starts with the offending field's name."""
 
 
-def _ids_to_text(ids, field: str) -> str:
-    """Token ids as one character each (chr(id)), so the tree matches token prefixes exactly."""
+# Routing text is read leniently: a field of the wrong type or value adds nothing (or stops
+# the text where it goes wrong) instead of being refused, because the replica validates the
+# request and names the problem in its own words; the router would only say it differently.
+
+
+def _ids_to_text(ids) -> str:
+    """Token ids as one character each (chr(id)), so the tree matches token prefixes exactly;
+    up to the first entry that is no such id. A batch is routed by its first sequence."""
     if not isinstance(ids, list):
-        raise BadRequest(f"{field}: must be a list of token ids")
-    if ids and isinstance(ids[0], list):  # a batch: routed by its first sequence
-        return _ids_to_text(ids[0], field)
-    try:
-        return "".join(map(chr, ids))
-    except (TypeError, ValueError, OverflowError):
-        raise BadRequest(f"{field}: token ids must be integers in [0, {MAX_CODEPOINT}]") from None
+        return ""
+    if ids and isinstance(ids[0], list):
+        return _ids_to_text(ids[0])
+    chars = []
+    for token in ids:
+        if type(token) is not int or not 0 <= token <= MAX_CODEPOINT:
+            break
+        chars.append(chr(token))
+    return "".join(chars)
 
 
-def _prompt_to_text(value, field: str) -> str:
-    """``text``/``prompt``: a string, a list of strings (a batch), or token ids."""
+def _prompt_to_text(value) -> str:
+    """``text``/``prompt``: a string, a list of strings (a batch: its first), or token ids."""
     if isinstance(value, str):
         return value
-    if isinstance(value, list):
-        if not value:
-            return ""
-        first = value[0]
-        if isinstance(first, str):
-            return first  # a batch is routed by its first prompt
-        if isinstance(first, (int, list)) and not isinstance(first, bool):
-            return _ids_to_text(value, field)
-    raise BadRequest(f"{field}: must be a string, a list of strings or a list of token ids")
+    if isinstance(value, list) and value and isinstance(value[0], str):
+        return value[0]
+    return _ids_to_text(value)
 
 
 def _messages_to_text(messages) -> str:
     """Chat messages' contents, concatenated (roles and templates are left to the engine)."""
     if not isinstance(messages, list):
-        raise BadRequest("messages: must be a list of {role, content} objects")
+        return ""
     parts = []
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise BadRequest(f"messages[{i}]: must be an object with role and content")
-        content = msg.get("content")
+    for msg in messages:
+        content = msg.get("content") if isinstance(msg, dict) else None
         if isinstance(content, str):
             parts.append(content)
         elif isinstance(content, list):  # multi-part content: keep the text parts
             parts.extend(p["text"] for p in content
                          if isinstance(p, dict) and isinstance(p.get("text"), str))
-        elif content is not None:
-            raise BadRequest(f"messages[{i}].content: must be a string or a list of parts")
     return "\n".join(parts)
 
 
 def request_text(body: dict) -> str:
-    """The text the tree routes on: ``text``, ``prompt``, ``messages`` or ``input_ids``."""
+    """The text the tree routes on: ``text``, ``prompt``, ``messages`` or ``input_ids`` (the
+    first one present); "" when none can be read."""
     for field in ("text", "prompt"):
         if body.get(field) is not None:
-            return _prompt_to_text(body[field], field)
+            return _prompt_to_text(body[field])
     if body.get("messages") is not None:
         return _messages_to_text(body["messages"])
     if body.get("input_ids") is not None:
-        return _ids_to_text(body["input_ids"], "input_ids")
+        return _ids_to_text(body["input_ids"])
     return ""
 
 
 def routing_key(body: dict, headers) -> str | None:
-    """``X-Routing-Key`` header, else body ``routing_key``, else body ``session_id``."""
+    """``X-Routing-Key`` header, else body ``routing_key``, else body ``session_id`` (a string
+    or an integer; another type is no key, and /generate's replica names it)."""
     key = headers.get("x-routing-key")
     if key:
         return key
     for field in ("routing_key", "session_id"):
         value = body.get(field)
-        if value is None:
-            continue
         if isinstance(value, (str, int)) and not isinstance(value, bool):
             return str(value)
-        raise BadRequest(f"{field}: must be a string")
     return None
 
 

@@ -29,6 +29,8 @@ EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 _arrival_counter = itertools.count()
 
 LogprobEntry = tuple  # (logprob or None, token id)
+# Seeds a request may carry: any 64-bit integer, signed or not (OpenAI's seed is an int64)
+MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,10 @@ class Req:
                              f"for a {len(input_ids)}-token prompt")
         if not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
             raise ValueError("top_logprobs_num: must be a non-negative integer")
+        seed = getattr(sampling_params, "seed", None)
+        if isinstance(seed, int) and not MIN_SEED <= seed <= MAX_SEED:
+            # the sampler mixes seeds as 64 bits: a wider one would alias a narrower one
+            raise ValueError(f"seed: must be in [{MIN_SEED}, {MAX_SEED}] (64 bits)")
         self.rid = rid
         self.origin_input_ids = list(input_ids)
         self.sampling_params = sampling_params or SamplingParams()

@@ -295,7 +295,7 @@ def test_http_constraints(tiny_llama_path, closing_bias):
                 "response_format": {"type": "json_schema",
                                     "json_schema": {"name": "x", "schema": {"type": "objec"}}}})
             err = r.json()
-            assert r.status_code == 400 and err["param"] == "json_schema" and "objec" in \
+            assert r.status_code == 400 and err["param"] == "response_format" and "objec" in \
                 err["message"]
 
             bias = {str(k): v for k, v in closing_bias.items()}

@@ -4,6 +4,7 @@ nothing a failed or abandoned request touched is leaked."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -28,7 +29,10 @@ def client(server, engine):
 
 TOO_LONG = [10 + i % 2000 for i in range(2090)]  # the tiny model's context: 2048 tokens
 
-# (path, body, status, fragment the message must contain)
+CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "a"}]}
+COMPLETION = {"model": MODEL_NAME, "prompt": "a"}
+
+# (path, body, status, fragment the message must contain[, param])
 BAD_INPUTS = [
     ("/generate", b"{not json", 400, "malformed JSON"),
     ("/generate", [1, 2], 400, "body: must be a JSON object"),
@@ -103,11 +107,35 @@ BAD_INPUTS = [
     ("/v1/completions", {"model": MODEL_NAME, "prompt": TOO_LONG}, 400, "prompt: the prompt has"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "a", "regex": "a", "ebnf": "x"}, 400,
      "at most one of regex, json_schema and ebnf"),
-    ("/v1/completions", {"model": MODEL_NAME, "prompt": "a", "min_tokens": 9, "max_tokens": 2},
-     400, "min_tokens: must not exceed max_new_tokens"),
+    # errors name the client's fields, in the message too
+    ("/v1/completions", {**COMPLETION, "min_tokens": 9, "max_tokens": 2},
+     400, "min_tokens: must not exceed max_tokens", "min_tokens"),
+    ("/v1/chat/completions", {**CHAT, "min_tokens": 9, "max_completion_tokens": 2},
+     400, "min_tokens: must not exceed max_completion_tokens", "min_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 5000}, 400,
+     "max_completion_tokens: 5000 new tokens", "max_completion_tokens"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}}}, 400, "response_format: ",
+     "response_format"),
+    # seeds are 64-bit (the sampler would alias a wider one with a narrower one)
+    ("/v1/completions", {**COMPLETION, "seed": 1 << 64}, 400, "seed: must be in", "seed"),
+    ("/generate", {"text": "a", "sampling_params": {"seed": -(1 << 63) - 1}}, 400,
+     "seed: must be in", "seed"),
+    # OpenAI's roles only; no insert mode; best_of at least n, and never streamed above it
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "a"}]}, 400,
+     "messages[0].role: Input should be 'system', 'developer'", "messages[0].role"),
+    ("/v1/chat/completions", {**CHAT, "messages": [CHAT["messages"][0], {"role": "",
+                                                                         "content": "a"}]},
+     400, "messages[1].role", "messages[1].role"),
+    ("/v1/completions", {**COMPLETION, "suffix": "return x"}, 400, "suffix: not supported",
+     "suffix"),
+    ("/v1/completions", {**COMPLETION, "n": 3, "best_of": 2}, 400,
+     "best_of: must be at least n (3)", "best_of"),
+    ("/v1/completions", {**COMPLETION, "best_of": 2, "stream": True}, 400,
+     "best_of: cannot be combined with stream", "best_of"),
     ("/v1/chat/completions", {"model": MODEL_NAME, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": 3}]},
-     400, "messages.0.content"),
+     400, "messages[0].content", "messages[0].content"),
     ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "a"}]},
      404, "nope"),
     ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": "a"}],
@@ -119,7 +147,7 @@ BAD_INPUTS = [
 
 
 def test_bad_inputs_then_a_good_request(client, engine):
-    for path, body, status, fragment in BAD_INPUTS:
+    for path, body, status, fragment, *param in BAD_INPUTS:
         if isinstance(body, bytes):
             r = client.post(path, content=body, headers={"content-type": "application/json"})
         else:
@@ -133,12 +161,64 @@ def test_bad_inputs_then_a_good_request(client, engine):
             if status == 404:
                 assert err["code"] == "model_not_found" and err["param"] == "model"
         else:
-            message = err["error"]["message"]
+            err = err["error"]
+            message = err["message"]
         assert fragment in message, (path, body, message)
+        assert not param or err["param"] == param[0], (path, body, err)
     assert engine.check_invariant() == 0
     assert client.get("/health").status_code == 200
-    r = client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "ok", "max_tokens": 3})
+    r = client.post("/v1/completions", json={**COMPLETION, "max_tokens": 3, "suffix": "",
+                                             "n": 2, "best_of": 2, "seed": (1 << 64) - 1})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_unknown_routes_and_methods_answer_in_the_error_shape(client):
+    for method, path, status in [("GET", "/v1/nonexistent", 404), ("POST", "/nowhere", 404),
+                                 ("GET", "/v1/chat/completions", 405)]:
+        r = client.request(method, path)
+        assert r.status_code == status, (path, r.text)
+        if path.startswith("/v1/"):
+            assert r.json() == {"object": "error", "message": r.json()["message"], "param": None,
+                                "type": {404: "NotFoundError", 405: "MethodNotAllowedError"}[
+                                    status], "code": status}
+        else:
+            assert r.json() == {"error": {"message": "Not Found", "code": 404, "param": None}}
+    assert r.headers["allow"] == "POST"
+
+
+def test_the_router_answers_as_the_replica_does(server):
+    """The router refuses only what it cannot route, in the replica's words; everything else
+    reaches the replica, whose answer passes through: the same answer on either port."""
+    from radixray.router.app import Router, build_app
+    from radixray.router.config import RouterConfig
+    from radixray.router.fake_worker import serve_in_thread
+
+    config = RouterConfig(worker_urls=[server.url], health_check_interval=60.0)
+    router = serve_in_thread(build_app(config, Router(config)))
+    requests = [("POST", "/v1/chat/completions", {**CHAT, "messages": body}) for body in
+                ("hi", [{"role": "user", "content": 5}], [None], [{"role": "x", "content": "a"}])]
+    requests += [("POST", "/v1/completions", {**COMPLETION, "prompt": body}) for body in
+                 ([1, "a"], [-1], [True], [1 << 40], {"a": 1})]
+    requests += [("POST", "/generate", body) for body in (
+        {"input_ids": ["a"]}, {"text": 5}, {"text": "a", "routing_key": 5}, [1], b"{bad", b"")]
+    requests += [("GET", path, None) for path in (
+        "/v1/models/" + MODEL_NAME, "/v1/models/gpt-9", "/v1/nonexistent", "/v1/completions")]
+    try:
+        with httpx.Client(timeout=60) as c:
+            for method, path, body in requests:
+                raw = body if isinstance(body, bytes) else None if body is None else \
+                    json.dumps(body).encode()
+                answers = [c.request(method, url + path, content=raw)
+                           for url in (server.url, router.url)]
+                assert answers[0].status_code == answers[1].status_code, (path, body)
+                assert answers[0].json() == answers[1].json(), (path, body)
+                assert answers[0].status_code == (200 if path.endswith(MODEL_NAME) else
+                                                  404 if method == "GET" and "models" in path
+                                                  else 405 if method == "GET" and
+                                                  path == "/v1/completions" else
+                                                  404 if "nonexistent" in path else 400), path
+    finally:
+        router.stop()
 
 
 def test_engine_rejection_is_a_400(server, engine):

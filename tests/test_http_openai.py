@@ -4,6 +4,8 @@ usage. Every test ends with the scheduler idle and its memory invariant holding.
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import openai
 import pytest
@@ -26,6 +28,12 @@ def test_models_list(client, tiny_llama_path):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL_NAME]
     assert models[0].model_extra["root"] == tiny_llama_path
+    # "retrieve model", by name or by path (SGLang's /v1/models/{model:path})
+    assert client.models.retrieve(MODEL_NAME) == models[0]
+    assert client.models.retrieve(tiny_llama_path).id == MODEL_NAME
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("gpt-9")
+    assert caught.value.body["code"] == "model_not_found" and caught.value.body["param"] == "model"
 
 
 def test_completion_matches_native_generate(client, server):
@@ -59,6 +67,12 @@ def test_completion_batch_prompts_and_token_ids(client, server):
                                     max_tokens=4, temperature=0,
                                     extra_body={"ignore_eos": True})
     assert ids.choices[0].text == c.choices[0].text
+    # one id for the whole answer, streamed too (not the first prompt's sub-request's)
+    assert re.fullmatch(r"cmpl-[0-9a-f]{32}", c.id), c.id
+    streamed = list(client.completions.create(model=MODEL_NAME, prompt=[[5, 6], [7, 8]],
+                                              max_tokens=2, stream=True))
+    assert {re.fullmatch(r"cmpl-[0-9a-f]{32}", ch.id) is not None for ch in streamed} == {True}
+    assert len({ch.id for ch in streamed}) == 1
 
 
 def test_chat_uses_the_chat_template(client, server):
@@ -84,6 +98,26 @@ def test_chat_uses_the_chat_template(client, server):
     r2 = client.chat.completions.create(model=MODEL_NAME, messages=parts, max_tokens=8,
                                         temperature=0)
     assert r2.choices[0].message.content == msg.content
+
+
+def test_roles_the_template_does_not_know_become_the_ones_it_does(client, server):
+    """The test model's template compares no role, so "developer" is templated as "system"
+    and the deprecated "function" (a function's result) as "tool"."""
+    def prompt_tokens(messages):
+        return client.chat.completions.create(model=MODEL_NAME, messages=messages,
+                                              max_tokens=1).usage.prompt_tokens
+
+    tok = server.tokenizer
+    as_system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    as_tool = [{"role": "user", "content": "weather?"},
+               {"role": "tool", "content": "sunny", "name": "get_weather"}]
+    for messages in (as_system, as_tool):
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert prompt_tokens(messages) == len(tok.encode(text, add_special_tokens=False))
+    assert prompt_tokens([{**as_system[0], "role": "developer"}, as_system[1]]) == \
+        prompt_tokens(as_system)
+    assert prompt_tokens([as_tool[0], {**as_tool[1], "role": "function"}]) == \
+        prompt_tokens(as_tool)
 
 
 def test_streaming_equals_non_streamed(client):
@@ -122,13 +156,21 @@ def test_n_copies_share_the_prompt_and_differ(client, server):
     assert sorted(ch.index for ch in c.choices) == [0, 1]
     assert c.usage.prompt_tokens == n_prompt  # counted once per prompt
     assert c.usage.completion_tokens == 16
-    # each copy found the prompt in the radix cache (computed once, before the copies)
-    assert c.usage.prompt_tokens_details.cached_tokens == 2 * (n_prompt - 1)
+    # the copies found the prompt in the radix cache (computed once, before them); cached
+    # tokens, part of the prompt, count once per prompt as the prompt does
+    assert c.usage.prompt_tokens_details.cached_tokens == n_prompt - 1
+    usage = list(client.completions.create(
+        model=MODEL_NAME, prompt=[prompt, "import os"], n=3, max_tokens=2, stream=True,
+        stream_options={"include_usage": True}))[-1].usage
+    n_other = len(server.tokenizer.encode("import os"))
+    assert usage.prompt_tokens == n_prompt + n_other
+    assert usage.prompt_tokens_details.cached_tokens == n_prompt - 1 + n_other - 1
     chat = client.chat.completions.create(
         model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=6,
         temperature=1.0, seed=5, extra_body={"ignore_eos": True})
     assert len(chat.choices) == 2
     assert chat.choices[0].message.content != chat.choices[1].message.content
+    assert chat.usage.prompt_tokens_details.cached_tokens == chat.usage.prompt_tokens - 1
     streamed = list(client.completions.create(model=MODEL_NAME, prompt=prompt, n=2,
                                               max_tokens=8, temperature=0, stream=True))
     texts = {0: "", 1: ""}
@@ -176,6 +218,24 @@ def test_logprobs(client, server):
     assert all(text[off:].startswith(v) for off, v in zip(lp.text_offset, visible))
     assert lp.text_offset[n_prompt] == len("for x in")
 
+    # A token-id prompt is echoed as its ids decode with special tokens kept, so the BOS is
+    # in the text and every token (the BOS too) is where its offset says.
+    ids = tok.encode("for x in")
+    e = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=2, temperature=0,
+                                  logprobs=0, echo=True, extra_body={"ignore_eos": True})
+    text, lp = e.choices[0].text, e.choices[0].logprobs
+    assert text.startswith(tok.bos_token + "for x in") and lp.tokens[0] == tok.bos_token
+    assert all(text[off:].startswith(t) for off, t in zip(lp.text_offset, lp.tokens))
+    # A special token the client wrote in a text prompt is in its echo: it has its width.
+    prompt = "<|im_start|>user\nfor x in"
+    e = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2,
+                                  temperature=0, logprobs=0, echo=True,
+                                  extra_body={"ignore_eos": True})
+    text, lp = e.choices[0].text, e.choices[0].logprobs
+    assert text.startswith(prompt) and lp.tokens[:2] == [tok.bos_token, "<|im_start|>"]
+    assert lp.text_offset[:3] == [0, 0, len("<|im_start|>")]  # the added BOS: zero-width
+    assert all(text[off:].startswith(t) for off, t in zip(lp.text_offset[1:], lp.tokens[1:]))
+
     r = client.chat.completions.create(model=MODEL_NAME,
                                        messages=[{"role": "user", "content": "hi"}],
                                        max_tokens=4, temperature=0, logprobs=True,
@@ -188,8 +248,10 @@ def test_logprobs(client, server):
         assert bytes(x.bytes).decode() == x.token
 
 
-def test_streamed_echo_lists_the_prompt_logprobs_as_the_answer_does(server):
-    body = {"model": MODEL_NAME, "prompt": "for x in", "max_tokens": 6, "temperature": 0,
+@pytest.mark.parametrize("as_ids", [False, True])
+def test_streamed_echo_lists_the_prompt_logprobs_as_the_answer_does(server, as_ids):
+    prompt = server.tokenizer.encode("for x in") if as_ids else "for x in"
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 6, "temperature": 0,
             "logprobs": 1, "echo": True, "ignore_eos": True}
     whole = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
     with httpx.Client(base_url=server.url, timeout=60) as c:
@@ -199,6 +261,41 @@ def test_streamed_echo_lists_the_prompt_logprobs_as_the_answer_does(server):
     assert "".join(ch["text"] for ch in chunks) == want["text"]
     for key in ("tokens", "token_logprobs", "text_offset", "top_logprobs"):
         assert [x for ch in chunks for x in ch["logprobs"][key]] == want["logprobs"][key], key
+    prompt_len = len(want["logprobs"]["tokens"]) - 6
+    listed = list(zip(want["logprobs"]["text_offset"], want["logprobs"]["tokens"]))[:prompt_len]
+    assert all(want["text"][off:].startswith(t) for off, t in listed[0 if as_ids else 1:])
+
+
+def test_chat_logprob_bytes_are_each_tokens_own(client):
+    """"é" is two byte-level tokens here (0xC3, 0xA9): each decodes alone to U+FFFD, but their
+    ``bytes`` are their own and join into the character."""
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+        temperature=0, logprobs=True, top_logprobs=2, extra_body={"regex": "é"})
+    assert r.choices[0].message.content == "é"
+    content = r.choices[0].logprobs.content
+    assert [x.bytes for x in content[:2]] == [[0xC3], [0xA9]]
+    assert content[0].token == "\ufffd"  # the token text stays as it decodes
+    for x in content:
+        assert all(top.bytes and (top.token != x.token or top.bytes == x.bytes)
+                   for top in x.top_logprobs)
+
+
+def test_best_of_returns_the_most_likely_candidates(client):
+    """best_of candidates are the n=best_of copies (the same seeds); the answer keeps the n with
+    the highest cumulative logprob, best first, and bills every candidate's tokens."""
+    kw = dict(model=MODEL_NAME, prompt="def", max_tokens=4, temperature=1.0, seed=11,
+              extra_body={"ignore_eos": True})
+    every = client.completions.create(n=3, logprobs=0, **kw)
+    score = {c.text: sum(c.logprobs.token_logprobs) for c in every.choices}
+    assert len(score) == 3  # distinct candidates, so the ranking shows
+    best = client.completions.create(n=2, best_of=3, **kw)
+    assert [c.text for c in best.choices] == sorted(score, key=score.get, reverse=True)[:2]
+    assert [c.index for c in best.choices] == [0, 1] and best.choices[0].logprobs is None
+    assert best.usage.completion_tokens == 12
+    assert best.usage.prompt_tokens == every.usage.prompt_tokens
+    same = client.completions.create(n=2, best_of=2, stream=True, **kw)  # best_of == n: n
+    assert len({ch.choices[0].index for ch in same if ch.choices}) == 2
 
 
 def test_sglang_extras_are_honoured(client, server):

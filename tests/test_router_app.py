@@ -166,24 +166,58 @@ def test_429_beyond_max_concurrency_and_queue(make_cluster):
     assert r.status_code == 200  # slots were all given back
 
 
-@pytest.mark.parametrize("route,content,field", [
-    ("/generate", b"{not json", "body"),
-    ("/generate", b"[1, 2]", "body"),
-    ("/generate", b'{"text": 5}', "text"),
-    ("/generate", b'{"input_ids": ["a"]}', "input_ids"),
-    ("/v1/chat/completions", b'{"messages": "hi"}', "messages"),
-    ("/generate", b"\xff\xfe", "body"),
+@pytest.mark.parametrize("route,content,message", [
+    ("/generate", b"{not json", "body: malformed JSON (Expecting property name"),
+    ("/generate", b"[1, 2]", "body: must be a JSON object"),
+    ("/generate", b"", "body: must be a JSON object"),
+    ("/v1/chat/completions", b'"hi"', "body: must be a JSON object"),
+    ("/generate", b"\xff\xfe", "body: malformed JSON"),
 ])
-def test_bad_input_is_400_without_touching_a_worker(make_cluster, route, content, field):
+def test_an_unroutable_body_is_400_without_touching_a_worker(make_cluster, route, content,
+                                                             message):
     client, router, fakes, urls = make_cluster(1)
     r = client.post(route, content=content, headers={"content-type": "application/json"})
     assert r.status_code == 400
     payload = r.json()
     error = payload if route.startswith("/v1/") else payload["error"]
-    assert error["message"].startswith(field)
-    assert error["param"] == field.split("[")[0]  # shaped as a replica's own 400
+    assert error["message"].startswith(message)  # worded as a replica words it
+    assert error["param"] == "body"
     if route.startswith("/v1/"):
         assert payload["object"] == "error" and payload["type"] == "BadRequestError"
+    assert fakes[0].requests == 0
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/generate", {"text": 5}), ("/generate", {"input_ids": ["a"]}),
+    ("/generate", {"input_ids": [-1]}), ("/generate", {"text": "x", "session_id": [1]}),
+    ("/v1/chat/completions", {"messages": "hi"}),
+    ("/v1/chat/completions", {"messages": [None, {"role": "user", "content": 3}]}),
+    ("/v1/completions", {"prompt": [1 << 40]}),
+])
+def test_a_routable_bad_body_goes_to_a_worker_which_names_the_problem(make_cluster, route,
+                                                                      body):
+    client, router, fakes, urls = make_cluster(1)
+    fakes[0].fail_status = 400  # what a replica says of such a body
+    r = client.post(route, json=body)
+    assert r.status_code == 400 and r.json()["error"]["message"] == "w0 failing on purpose"
+    assert fakes[0].requests == 1
+
+
+def test_unknown_routes_and_methods_answer_in_the_error_shape(make_cluster):
+    client, router, fakes, urls = make_cluster(1)
+    r = client.get("/v1/nonexistent")
+    assert r.status_code == 404 and r.json() == {
+        "object": "error", "message": "Not Found", "type": "NotFoundError", "param": None,
+        "code": 404}
+    r = client.get("/v1/chat/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["type"] == "MethodNotAllowedError" and r.json()["code"] == 405
+    r = client.post("/nowhere")
+    assert r.status_code == 404
+    assert r.json() == {"error": {"message": "Not Found", "code": 404, "param": None}}
+    # /v1/models/{model} is not unknown: forwarded (the fake worker has no such route)
+    r = client.get("/v1/models/some/model")
+    assert r.status_code == 404 and r.text == "Not Found"  # the worker's plain answer
     assert fakes[0].requests == 0
 
 
