@@ -84,7 +84,7 @@ async def parse_body(request: Request, model: type[BaseModel]):
     raw = await request.body()
     try:
         data = json.loads(raw) if raw else None
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # nested too deep: RecursionError
         raise bad_request(f"body: malformed JSON ({e})", param="body") from None
     if not isinstance(data, dict):
         raise bad_request("body: must be a JSON object", param="body")
@@ -239,7 +239,7 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
         raw = await request.body()
         try:
             body = json.loads(raw) if raw else {}
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # nested too deep: RecursionError
             raise bad_request(f"body: malformed JSON ({e})", param="body") from None
         if not isinstance(body, dict):
             raise bad_request("body: must be a JSON object", param="body")

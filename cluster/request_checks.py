@@ -33,7 +33,7 @@ def check_sampling_params(sp: SamplingParams, vocab_size: int | None,
         if isinstance(sp.json_schema, str):
             try:
                 json.loads(sp.json_schema)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise ValueError(f"json_schema: not valid JSON ({e})") from None
         if sp.constraint is not None:  # parses it (no compilation); names the problem
             validate_grammar(*sp.constraint)

@@ -24,8 +24,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from .admin import admin_routes
 from .admission import Admission, Rejected
-from .circuit import STATE_NAMES
 from .config import CACHE_EPOCH_HEADER, RouterConfig
 from .health import HealthChecker
 from .metrics import RouterMetrics
@@ -34,7 +34,7 @@ from .proxy import Proxy, downstream_headers, error_response, upstream_headers
 from .disconnect import until_disconnect
 from .request import BadRequest, request_text, routing_key
 from .tree import ApproxRadixTree
-from .workers import WorkerRegistry, normalize_url
+from .workers import WorkerRegistry
 
 log = logging.getLogger("radixray.router")
 
@@ -142,7 +142,7 @@ class Router:
             info = RequestInfo(request_text(body), routing_key(body, request.headers))
         except BadRequest as exc:
             return self._reject(route, 400, str(exc), finish)
-        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, nested too deep
             return self._reject(route, 400, f"body: malformed JSON ({exc})", finish)
         try:
             await self.admission.acquire()
@@ -221,53 +221,24 @@ class Router:
                                               headers=upstream_headers(request.headers))
                 return resp.status_code, resp.content, resp.headers
             except httpx.HTTPError as exc:
-                return 502, f"{worker.url}: {type(exc).__name__}: {exc}".encode(), {}
+                return None, f"{worker.url}: {type(exc).__name__}: {exc}".encode(), {}
 
         results = await asyncio.gather(*(abort(w) for w in workers))
-        failed = next((r for r in results if r[0] != 200), None)
+        # A worker unreachable now has nothing running to abort (its health checks will say
+        # the rest); only if none answered is the abort itself in doubt.
+        answers = [r for r in results if r[0] is not None]
+        if not answers:
+            return error_response("/abort_request", 502, "no worker answered: " + "; ".join(
+                content.decode() for _, content, _ in results))
+        failed = next((r for r in answers if r[0] != 200), None)
         if failed is not None:  # a bad body is refused alike by every worker: pass one answer on
             status, content, headers = failed
             return Response(content, status, downstream_headers(headers))
         aborted = set()
-        for _, content, _ in results:
+        for _, content, _ in answers:
             with contextlib.suppress(ValueError, TypeError, AttributeError):
                 aborted.update(json.loads(content).get("aborted") or [])
         return JSONResponse({"aborted": sorted(aborted)})
-
-    async def list_workers(self, request: Request) -> Response:
-        return JSONResponse({"policy": self.policy.name, "workers": [
-            {"url": w.url, "source": w.source, "healthy": w.healthy, "available": w.available(),
-             "load": w.load, "served": w.served, "circuit": STATE_NAMES[w.breaker.state],
-             "tree_chars": self.tree.size(w.url),
-             "tree_limit": w.tree_limit or self.config.max_tree_size}
-            for w in self.registry.all()]})
-
-    async def add_worker(self, request: Request) -> Response:
-        """POST /workers {"url": ...} (or ?url=...): 201 when added, 200 when already known."""
-        try:
-            body = json.loads(await request.body() or b"{}")
-        except ValueError as exc:
-            return error_response("/workers", 400, f"body: not valid JSON ({exc})")
-        url = body.get("url") if isinstance(body, dict) else None
-        if url is None:
-            url = request.query_params.get("url")
-        try:
-            url = normalize_url(url)
-        except ValueError as exc:
-            return error_response("/workers", 400, str(exc))
-        known = url in self.registry
-        self.registry.add(url, source="api")
-        return JSONResponse({"url": url, "added": not known}, status_code=200 if known else 201)
-
-    async def delete_worker(self, request: Request) -> Response:
-        url = request.path_params["url"]
-        try:
-            removed = self.remove_worker(url)
-        except ValueError as exc:
-            return error_response("/workers", 400, str(exc))
-        if not removed:
-            return error_response("/workers", 404, f"url: no worker {url!r}")
-        return JSONResponse({"url": url.rstrip("/"), "removed": True})
 
     async def metrics_endpoint(self, request: Request) -> Response:
         body = self.metrics.render(self.registry.all(), self.tree)
@@ -292,10 +263,8 @@ def build_app(config: RouterConfig, router: Router | None = None) -> Starlette:
         Route("/health", router.health, methods=["GET"]),
         Route("/flush_cache", router.flush_cache, methods=["POST"]),
         Route("/abort_request", router.abort_request, methods=["POST"]),
-        Route("/workers", router.list_workers, methods=["GET"]),
-        Route("/workers", router.add_worker, methods=["POST"]),
-        Route("/workers/{url:path}", router.delete_worker, methods=["DELETE"]),
         Route("/metrics", router.metrics_endpoint, methods=["GET"]),
+        *admin_routes(router),
     ]
 
     async def no_such_route(request: Request, exc: HTTPException) -> Response:

@@ -134,6 +134,13 @@ class RouterConfig:
             raise ValueError("retry_jitter: must be in [0, 1)")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: must be in [0, 65535], got {self.port}")
+        from .workers import normalize_url  # (workers imports this module)
+
+        for url in self.worker_urls:
+            try:
+                normalize_url(url)
+            except ValueError as exc:
+                raise ValueError(f"worker_urls: {exc}") from None
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -132,8 +132,11 @@ class Proxy:
             send = self._send_stream if stream else self._send_once
             result = await send(worker, route, raw, fwd, on_done)
             answer = result if isinstance(result, Response) else result.response
-            if answer is not None and self.registry.observe_epoch(
-                    worker, answer.headers.get(CACHE_EPOCH_HEADER)):
+            emptied = answer is not None and self.registry.observe_epoch(
+                worker, answer.headers.get(CACHE_EPOCH_HEADER))
+            if not isinstance(result, Response) or result.status_code >= 400:
+                self.tree.forget(info.text, worker.url, predicted)  # it cached nothing of it
+            elif emptied:
                 # The worker's cache was emptied since its last answer: the tree forgot it all,
                 # but this request's prefix is cached there now.
                 self.tree.insert(info.text, worker.url, worker.tree_limit)

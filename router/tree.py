@@ -159,6 +159,27 @@ class ApproxRadixTree:
         """Evict ``tenant``'s LRU leaves until it holds <= max_chars; returns chars evicted."""
         return self._evict(tenant, max_chars)
 
+    def forget(self, text: str, tenant: str, keep_chars: int) -> None:
+        """Undo an ``insert`` of ``text`` for ``tenant`` past its first ``keep_chars`` (what it
+        held before): the worker failed the request, so it did not cache it. Takes ``tenant``
+        off the path's nodes deeper than that, deepest first, while they are its leaves."""
+        lru = self._lru.get(tenant)
+        if lru is None:
+            return
+        path = self.match(text).path
+        starts = [0] + [depth for _, depth in path[:-1]]
+        for (node, depth), start in zip(reversed(path), reversed(starts)):
+            whole = depth - start == len(node.text)  # else it runs on past the text
+            if start < keep_chars or not whole or tenant not in node.tenants or \
+                    any(tenant in c.tenants for c in node.children.values()):
+                break
+            del lru[node]
+            node.tenants.discard(tenant)
+            self._size[tenant] -= len(node.text)
+            if not node.tenants:
+                del node.parent.children[node.text[0]]
+                node.parent = None
+
     def remove_tenant(self, tenant: str) -> None:
         """Forget everything ``tenant`` holds (a worker left or died)."""
         lru = self._lru.pop(tenant, None)

@@ -345,7 +345,9 @@ def test_each_workers_tree_bound_follows_its_kv_capacity(make_cluster, api_key):
     while any(router.registry.get(u).tree_limit is None for u in urls) and \
             time.monotonic() < deadline:
         time.sleep(0.02)
-    assert [w["tree_limit"] for w in client.get("/workers").json()["workers"]] == [6000, 6000]
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else None  # the cluster's key
+    workers = client.get("/workers", headers=auth).json()["workers"]
+    assert [w["tree_limit"] for w in workers] == [6000, 6000]
     for i in range(40):
         client.post("/generate", json={"text": f"{i:04d} unique prompt " * 20})
     assert all(0 < router.tree.size(u) <= 6000 for u in urls)

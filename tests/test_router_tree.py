@@ -180,3 +180,25 @@ def test_bounded_tree_keeps_invariants_under_any_sequence(ops):
             # the newest text fits in the bound, so LRU eviction keeps all of it
             assert tree.match(text).chars_for(tenant) == len(text)
         check_invariants(tree)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.text("abc", min_size=1, max_size=12), st.sampled_from("xy")),
+                max_size=30),
+       st.text("abc", min_size=1, max_size=12), st.sampled_from("xy"))
+def test_forget_undoes_a_failed_attempts_insert(inserts, failed, tenant):
+    """The router inserts a request's text for the worker it picks before sending; when that
+    worker fails the request, ``forget`` restores what the tree predicted before."""
+    tree = ApproxRadixTree(10**9)
+    for text, t in inserts:
+        tree.insert(text, t)
+    queries = [text for text, _ in inserts] + [failed, failed[:-1]]
+    before = [(tree.match(q).chars_for("x"), tree.match(q).chars_for("y")) for q in queries]
+    sizes = (tree.size("x"), tree.size("y"))
+    keep = tree.match(failed).chars_for(tenant)
+    tree.insert(failed, tenant)
+    tree.forget(failed, tenant, keep)
+    check_invariants(tree)
+    assert [(tree.match(q).chars_for("x"), tree.match(q).chars_for("y"))
+            for q in queries] == before
+    assert (tree.size("x"), tree.size("y")) == sizes
