@@ -163,6 +163,24 @@ class ServingContext:
         self.tool_call_parser = tool_call_parser  # tool_calls.PARSERS key; None: no parsing
         self.waiting: set[str] = set()  # engine rids admitted that have no output yet
         self.live: dict[str, set[str]] = {}  # client rid -> engine rids
+        # Engine rids of live sessions aborted before the engine had them (n > 1 copies wait
+        # for their prompt's warm-up): run_request finishes them without submitting.
+        self.aborted: set[str] = set()
+        self.warmups: dict[str, str] = {}  # copy rid -> rid of its prompt's running warm-up
+
+    async def abort(self, client_rid: str | None = None, abort_all: bool = False) -> list[str]:
+        """Abort a request by client rid or engine rid (or every live one); returns the engine
+        rids aborted. Works at any stage, before submission included (see ``aborted``)."""
+        if abort_all:
+            rids = set().union(*self.live.values()) if self.live else set()
+        else:
+            rids = self.live.get(client_rid, {client_rid})
+        registered = set().union(*self.live.values()) if self.live else set()
+        self.aborted.update(rids & registered)
+        warm = {self.warmups[r] for r in rids if r in self.warmups}
+        for rid in sorted(rids | warm):
+            await self.engine.abort(rid)
+        return sorted(rids)
 
     def open_session(self, client_rid: str, reqs: list[GenerateRequest]) -> "Session":
         """Admit ``reqs`` (429 when the waiting requests would exceed max_queued_requests; 400
@@ -193,6 +211,7 @@ class Session:
         if not self.closed:
             self.closed = True
             self.ctx.waiting.difference_update(self.rids)
+            self.ctx.aborted.difference_update(self.rids)
             self.ctx.live.pop(self.client_rid, None)
 
 
@@ -203,6 +222,12 @@ async def run_request(ctx: ServingContext, req: GenerateRequest) -> AsyncIterato
     state = RequestState(req, IncrementalDetokenizer(
         ctx.tokenizer, skip_special_tokens=sp.skip_special_tokens, stop=sp.stop,
         no_stop_trim=sp.no_stop_trim, stop_regex=sp.stop_regex))
+    if req.rid in ctx.aborted:  # aborted while it waited for its warm-up: never submitted
+        ctx.waiting.discard(req.rid)
+        state.prompt_tokens = len(req.input_ids)
+        state.end({"type": "abort", "message": "aborted by request"}, time.perf_counter())
+        yield state
+        return
     stream = ctx.engine.generate(req)
     try:
         while True:
@@ -270,16 +295,29 @@ async def run_many(ctx: ServingContext, reqs: list[GenerateRequest]
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def prefill_only(engine: EngineClient, req: GenerateRequest) -> None:
-    """Compute ``req``'s prompt into the radix cache (max_new_tokens 0), so copies submitted
-    after it (n > 1) reuse its KV instead of each computing the prompt."""
-    warm = replace(req, rid=req.rid + "-prefill", return_logprob=False, logprob_start_len=-1,
-                   top_logprobs_num=0,
+async def prefill_only(ctx: ServingContext, req: GenerateRequest, copies: list[str]) -> None:
+    """Compute ``req``'s prompt into the radix cache (max_new_tokens 0), so its ``copies``
+    (rids; n > 1) submitted after it reuse its KV instead of each computing the prompt. The
+    warm-up's rid is unique (a client's rid can never collide with it), and aborting any copy
+    aborts it."""
+    if ctx.aborted.intersection(copies):
+        return
+    warm = replace(req, rid=new_rid(req.rid + "-prefill-"), return_logprob=False,
+                   logprob_start_len=-1, top_logprobs_num=0,
                    sampling_params=replace(req.sampling_params, max_new_tokens=0,
                                            min_new_tokens=0, n=1))
-    async with aclosing(engine.generate(warm)) as outputs:
-        async for _ in outputs:
-            pass
+    ctx.warmups.update(dict.fromkeys(copies, warm.rid))
+    try:
+        async with aclosing(ctx.engine.generate(warm)) as outputs:
+            async for _ in outputs:
+                pass
+    except ValueError as e:  # refused by the engine: the message names the field
+        raise bad_request(str(e), param=str(e).partition(":")[0]) from None
+    except RuntimeError as e:  # the engine is not running
+        raise APIError(503, str(e), err_type="ServiceUnavailableError") from None
+    finally:
+        for rid in copies:
+            ctx.warmups.pop(rid, None)
 
 
 async def run_all(ctx: ServingContext, firsts: list[GenerateRequest],
@@ -288,8 +326,8 @@ async def run_all(ctx: ServingContext, firsts: list[GenerateRequest],
     computed once into the radix cache first, so its copies share that KV."""
     flat = [r for group in copies for r in group]
     if len(flat) > len(firsts):
-        for req in firsts:
-            await prefill_only(ctx.engine, req)
+        for req, group in zip(firsts, copies, strict=True):
+            await prefill_only(ctx, req, [r.rid for r in group])
     async with aclosing(run_many(ctx, flat)) as updates:
         async for i, state in updates:
             yield i, state

@@ -244,14 +244,10 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
         if not isinstance(body, dict):
             raise bad_request("body: must be a JSON object", param="body")
         if body.get("abort_all"):
-            rids = set().union(*ctx.live.values()) if ctx.live else set()
-        elif isinstance(body.get("rid"), str) and body["rid"]:
-            rids = ctx.live.get(body["rid"], {body["rid"]})
-        else:
-            raise bad_request("rid: give a request id (or abort_all: true)", param="rid")
-        for rid in sorted(rids):
-            await engine.abort(rid)
-        return {"aborted": sorted(rids)}
+            return {"aborted": await ctx.abort(abort_all=True)}
+        if isinstance(body.get("rid"), str) and body["rid"]:
+            return {"aborted": await ctx.abort(body["rid"])}
+        raise bad_request("rid: give a request id (or abort_all: true)", param="rid")
 
     @app.get("/metrics")
     async def _metrics():

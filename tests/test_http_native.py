@@ -308,3 +308,69 @@ def test_sglang_fields_radixray_does_not_implement(client):
         r = client.post("/generate", json={"text": "abc", **body})
         assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
 
+
+
+def _frozen_engine(engine):
+    """Hold the engine thread between steps until the returned event is set: what is sent
+    meanwhile (submissions, aborts) queues up in order."""
+    import threading
+
+    hold, held = threading.Event(), threading.Event()
+    threading.Thread(target=engine.call_sync, daemon=True,
+                     args=(lambda s: held.set() or hold.wait(30),)).start()
+    assert held.wait(10)
+    return hold
+
+
+def _post_in_thread(server, body: dict) -> dict:
+    import threading
+
+    result = {}
+
+    def post():
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            result["r"] = c.post("/generate", json=body)
+
+    result["thread"] = threading.Thread(target=post)
+    result["thread"].start()
+    return result
+
+
+def _wait_live(server_ctx, rid: str) -> None:
+    import time
+
+    deadline = time.monotonic() + 10
+    while rid not in server_ctx.live:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_an_abort_while_n_copies_wait_for_their_warm_up_ends_them_all(client, server, engine):
+    """n > 1 copies are submitted once their prompt's warm-up prefill is done; an abort that
+    came before was lost (the engine did not know the copies yet) and all of them ran."""
+    hold = _frozen_engine(engine)
+    sampling = {"max_new_tokens": 30, "ignore_eos": True, "n": 3}
+    pending = _post_in_thread(server, {"text": "warm " * 40, "rid": "n-abort",
+                                       "sampling_params": sampling})
+    _wait_live(server.app.state.ctx, "n-abort")
+    aborted = client.post("/abort_request", json={"rid": "n-abort"}).json()["aborted"]
+    hold.set()
+    pending["thread"].join(30)
+    assert aborted == ["n-abort-0", "n-abort-1", "n-abort-2"]
+    outs = pending["r"].json()
+    assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["abort"] * 3
+    assert all(o["meta_info"]["completion_tokens"] == 0 for o in outs)
+
+
+def test_a_client_rid_cannot_collide_with_a_warm_up(client, server, engine):
+    """The warm-up's rid was ``<rid>-prefill``: a client request with that rid made the n > 1
+    request a 500 and, through the refusal's abort, killed the client's request."""
+    first = _post_in_thread(server, {"text": "x", "rid": "clash-prefill", "sampling_params":
+                                     {"max_new_tokens": 1500, "ignore_eos": True}})
+    _wait_live(server.app.state.ctx, "clash-prefill")
+    r = client.post("/generate", json={"text": "y " * 20, "rid": "clash",
+                                       "sampling_params": {"max_new_tokens": 4, "n": 2}})
+    assert r.status_code == 200 and len(r.json()) == 2, r.text
+    assert engine.call_sync(lambda s: "clash-prefill" in s.live)  # still running
+    client.post("/abort_request", json={"rid": "clash-prefill"})
+    first["thread"].join(30)
