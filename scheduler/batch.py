@@ -64,7 +64,8 @@ class ScheduleBatch:
         reqs = prefill + decode
         out_cache_loc = cache.alloc_extend(reqs)
         starts = [_input_logprob_start(r) for r in prefill]
-        fb = _forward_batch(prefill, decode, cache, out_cache_loc, starts)
+        next_ids = [_next_prompt_id(r, s) for r, s in zip(prefill, starts)]
+        fb = _forward_batch(prefill, decode, cache, out_cache_loc, starts, next_ids)
         # hierarchical cache: tier copies decided up to now (this batch's evictions and
         # loads included) run on the worker before this batch's forward
         fb.kv_store, fb.kv_load, copies = cache.take_kv_copies()
@@ -86,12 +87,20 @@ class ScheduleBatch:
 def _input_logprob_start(req: Req) -> int:
     """Index among this step's extend tokens where input logprobs start, or -1.
 
-    A chunk after the first starts at 0, and its first token's logprob stays None: the worker
-    computed that token's logits in the previous chunk without knowing the token that follows.
-    (Closing this gap needs the protocol to carry the token after each chunk.)"""
+    A chunk after the first starts at 0: its first token was scored by the chunk before,
+    whose last logits predict it (see ``_next_prompt_id``)."""
     if not req.input_logprobs_pending or req.seq_len <= req.logprob_start_len:
         return -1
     return max(req.logprob_start_len - req.cached_len, 0)
+
+
+def _next_prompt_id(req: Req, start: int) -> int:
+    """The prompt token after this step's extend when the step computes input logprobs and
+    stops inside the prompt (a chunk), else -1. Only this step has the logits that predict
+    it; without it the next chunk's first entry would be a null (a seam)."""
+    if start < 0 or req.seq_len >= req.prompt_len:
+        return -1
+    return req.origin_input_ids[req.seq_len]
 
 
 def decode_input_ids(decode: list[Req]) -> list[int]:
@@ -106,7 +115,8 @@ def decode_input_ids(decode: list[Req]) -> list[int]:
 
 
 def _forward_batch(prefill: list[Req], decode: list[Req], cache: CacheManager,
-                   out_cache_loc: torch.Tensor, starts: list[int]) -> ForwardBatch:
+                   out_cache_loc: torch.Tensor, starts: list[int],
+                   next_ids: list[int]) -> ForwardBatch:
     reqs = prefill + decode
     input_ids: list[int] = []
     for r in prefill:
@@ -130,6 +140,8 @@ def _forward_batch(prefill: list[Req], decode: list[Req], cache: CacheManager,
 
     params = [r.sampling_params for r in reqs]
     any_logprob = any(r.return_logprob for r in reqs)
+    any_input_logprobs = any(s >= 0 for s in starts)
+    no_more = [-1] * len(decode)
     return ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.int64),
         positions=positions,
@@ -150,6 +162,8 @@ def _forward_batch(prefill: list[Req], decode: list[Req], cache: CacheManager,
                         else None),
         top_logprobs_num=(torch.tensor([r.top_logprobs_num for r in reqs]) if any_logprob
                           else None),
-        input_logprob_starts=(torch.tensor(starts + [-1] * len(decode))
-                              if any(s >= 0 for s in starts) else None),
+        input_logprob_starts=(torch.tensor(starts + no_more, dtype=torch.int64)
+                              if any_input_logprobs else None),
+        next_prompt_ids=(torch.tensor(next_ids + no_more, dtype=torch.int64)
+                         if any_input_logprobs and any(t >= 0 for t in next_ids) else None),
     )

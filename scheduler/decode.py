@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .cache_manager import CacheManager
+from .logprobs import forget_input_logprobs
 from .request import FinishReason, Req
 from .token_ratio import RETRACT_DECODE_STEPS
 
@@ -31,34 +32,64 @@ class Retraction:
     aborted: list[Req] = field(default_factory=list)
 
 
-def make_room_for_decode(running: list[Req], cache: CacheManager) -> Retraction:
+def make_room_for_decode(running: list[Req], cache: CacheManager,
+                         stalled_chunk: Req | None = None) -> Retraction:
     """Ensure the next decode step of ``running`` fits, retracting requests if needed.
 
-    Victims go in order of fewest output tokens (least work lost), then longest prompt (most
-    memory back), until the rest have room for ``RETRACT_DECODE_STEPS`` steps each, so the next
-    retraction is not one step away. At least one request keeps running; if even that one
-    cannot get a slot, the pool cannot hold it at all and it is aborted.
+    ``stalled_chunk`` is the prompt mid-chunk, if any. Decode runs only when it got no piece
+    this round, so it makes no progress while it holds its computed chunks locked; it goes
+    first: releasing it costs nothing now (its chunks stay in the tree, merely evictable,
+    and are reused when it comes back unless decode needed their slots), and it is the
+    only way out when a single request is left running (with mixed chunk, decodes ride along
+    with every chunk and can eat the room the chunked prompt was admitted with).
+
+    Then running requests, in order of fewest output tokens (least work lost), then longest
+    prompt (most memory back), until the rest have room for ``RETRACT_DECODE_STEPS`` steps
+    each, so the next retraction is not one step away. At least one request keeps running;
+    if even that one cannot get a slot when it holds the pool alone, it is aborted.
 
     Mutates: ``running`` (victims removed), the cache (victims' slots freed); retracted
-    requests are reset to hold no slots. The caller queues them and finishes aborted ones.
+    requests are reset to hold no slots. The caller queues them (and forgets the chunked
+    request) and finishes aborted ones.
     """
     result = Retraction()
     if cache.available_and_evictable() >= decode_slots_needed(running, cache):
         return result
+    if stalled_chunk is not None:
+        _retract(stalled_chunk, cache, result)
     victims = sorted(running, key=lambda r: (len(r.output_ids), -r.prompt_len), reverse=True)
     while len(running) > 1 and (
             not result.retracted or cache.available_and_evictable()
             < decode_slots_needed(running, cache, RETRACT_DECODE_STEPS)):
         req = victims.pop()
         running.remove(req)
-        cache.release(req)
-        req.num_retractions += 1
-        result.retracted.append(req)
-    if cache.available_and_evictable() < decode_slots_needed(running, cache):
+        _retract(req, cache, result)
+    if running and cache.available_and_evictable() < decode_slots_needed(running, cache):
         req = running.pop()
-        req.finish_reason = FinishReason.abort(
-            f"out of KV memory: the pool of {cache.pool_size} tokens cannot hold this request's "
-            f"next token (its sequence has {req.total_len} tokens); raise --max-total-tokens or "
-            f"lower max_new_tokens")
-        result.aborted.append(req)
+        need = _slots_alone(req, cache)
+        if need <= cache.pool_size:
+            # Something outside the running set still holds slots (a host-tier load in
+            # flight): wait at the front of the queue rather than fail a request that fits.
+            _retract(req, cache, result)
+        else:
+            req.finish_reason = FinishReason.abort(
+                f"out of KV memory: this request's next decode step needs {need} KV slots "
+                f"({req.total_len} tokens so far) and the whole pool holds "
+                f"{cache.pool_size}; raise --max-total-tokens or lower max_new_tokens")
+            result.aborted.append(req)
     return result
+
+
+def _retract(req: Req, cache: CacheManager, result: Retraction) -> None:
+    """Free ``req``'s slots (nothing inserted; its prefix in the tree is just unlocked) and
+    reset it to come back through the waiting queue."""
+    cache.release(req)
+    forget_input_logprobs(req)
+    req.num_retractions += 1
+    result.retracted.append(req)
+
+
+def _slots_alone(req: Req, cache: CacheManager) -> int:
+    """Slots ``req`` holds plus those its next decode step takes: what the pool must have
+    for it with nothing else in it."""
+    return cache.slots_needed(0, req.cached_len) + decode_slots_needed([req], cache)

@@ -268,7 +268,9 @@ class Scheduler:
     def _decode_batch(self) -> ScheduleBatch | None:
         if not self.running:
             return None
-        room = make_room_for_decode(self.running, self.cache)
+        room = make_room_for_decode(self.running, self.cache, self.chunked_req)
+        if self.chunked_req in room.retracted:  # it continues from the queue, matched anew
+            self.chunked_req = None
         if room.retracted:
             self.waiting[:0] = sorted(room.retracted, key=lambda r: r.arrival)
             self.stats.num_retracted += len(room.retracted)

@@ -147,9 +147,13 @@ class FakeRunner:
                      if batch.input_logprob_starts is not None else -1)
             if start >= 0:
                 h = hashes.tolist()
-                input_lps.append(torch.tensor(
-                    [fake_logprob(h[prefix + j], int(ctx[prefix + j + 1]))
-                     for j in range(start, extend - 1)], dtype=torch.float32))
+                lps = [fake_logprob(h[prefix + j], int(ctx[prefix + j + 1]))
+                       for j in range(start, extend - 1)]
+                next_id = (int(batch.next_prompt_ids[i])
+                           if batch.next_prompt_ids is not None else -1)
+                if next_id >= 0:  # a chunk: its last logits score the next chunk's first token
+                    lps.append(fake_logprob(h[-1], next_id))
+                input_lps.append(torch.tensor(lps, dtype=torch.float32))
             else:
                 input_lps.append(None)
             t_off += extend

@@ -174,6 +174,34 @@ def test_input_logprobs_match_hf(tiny_llama_path):
     assert torch.allclose(got, want, atol=LOGIT_TOL)
 
 
+def test_a_chunk_scores_the_prompt_token_after_it(tiny_llama_path):
+    """A chunk that stops inside the prompt also returns the logprob (and tops) of the token
+    after it from its last logits (``next_prompt_ids``): the next chunk cannot compute it."""
+    runner = ModelRunner(RunnerConfig(tiny_llama_path, max_total_tokens=1024))
+    driver = Driver(runner)
+    ids = _prompts(1, runner.model_config.vocab_size, seed=4)[0] + [9, 10, 11, 12]
+    cut, start = len(ids) - 3, 1
+    chunk = Req(ids[:cut])
+    original = driver.runner.forward
+
+    def with_seam(batch):
+        batch.input_logprob_starts = torch.tensor([start])
+        batch.top_logprobs_num = torch.tensor([2])
+        batch.next_prompt_ids = torch.tensor([ids[cut]])
+        return original(batch)
+
+    driver.runner.forward = with_seam
+    out = driver.step([(chunk, 0, None)])
+    ref = torch.log_softmax(hf_logits(tiny_llama_path, ids), -1)
+    want = torch.stack([ref[j, ids[j + 1]] for j in range(start, cut)])  # the last: ids[cut]
+    assert torch.allclose(out.input_token_logprobs[0], want, atol=LOGIT_TOL)
+    values, top_ids = out.input_top_logprobs[0]
+    assert values.shape == (cut - start, 2)
+    best = ref[cut - 1].topk(2)
+    assert top_ids[-1].tolist() == best.indices.tolist()
+    assert torch.allclose(values[-1], best.values, atol=LOGIT_TOL)
+
+
 def test_context_longer_than_the_model_positions_is_refused(tiny_llama_path):
     with pytest.raises(ValueError, match="max_context_len: .* max_position_embeddings"):
         ModelRunner(RunnerConfig(tiny_llama_path, max_total_tokens=64,

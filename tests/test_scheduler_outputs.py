@@ -11,7 +11,7 @@ import pytest
 
 from fake_runner import reference_input_logprobs, reference_tokens
 from radixray.scheduler.stop import trim_stop_text
-from scheduler_harness import assert_clean, make, req, run
+from scheduler_harness import assert_clean, collect, make, req, run
 
 pytestmark = pytest.mark.usefixtures("runner_kind")
 
@@ -63,12 +63,12 @@ def test_eos_stop_token_ids_ignore_eos_and_min_new_tokens():
     assert results["min"].tokens == (full[: later[0] + 1] if later else full)
 
 
-def assert_logprobs_equal(got, want, unknown=()):
-    """Entries (logprob or None, token id); positions in ``unknown`` must be None."""
+def assert_logprobs_equal(got, want):
+    """Entries (logprob or None, token id): None exactly where ``want`` has None."""
     assert len(got) == len(want)
     for k, ((g, g_id), (w, w_id)) in enumerate(zip(got, want)):
         assert g_id == w_id, k
-        if w is None or k in unknown:
+        if w is None:
             assert g is None, k
         else:
             assert g == pytest.approx(w, abs=1e-5), k
@@ -96,10 +96,35 @@ def test_input_logprobs_limit_the_cache_match_and_cross_chunks():
     assert out.outputs[0].cached_tokens == 50  # the match stopped where logprobs start
     got = out.outputs[0].input_token_logprobs
     assert len(got) == len(prompt) - 50 and got[0][0] is None
-    seams = {k - 50 for k in range(50 + 64, len(prompt), 64)}  # first token of later chunks
-    assert_logprobs_equal(got, reference_input_logprobs(prompt, 50), unknown=seams)
+    # only the first entry is null: the chunk seams (50 + 64, 50 + 128) have their values
+    assert_logprobs_equal(got, reference_input_logprobs(prompt, 50))
     assert [len(o.output_token_logprobs) for o in out.outputs] == [1, 1, 1]
     assert all(len(o.output_top_logprobs[0]) == 2 for o in out.outputs)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+@pytest.mark.parametrize("page", [1, 4])
+def test_input_logprobs_have_no_null_at_chunk_seams(mixed, page):
+    """Every logprob start against every chunk boundary: a start on a boundary, just before
+    one, in the last chunk (SGLang's select() sends len - 2 with max_new_tokens 0), with a
+    request decoding beside the chunks (mixed chunk)."""
+    rng = random.Random(4)
+    prompt = [rng.randrange(1000) for _ in range(65)]
+    for start in (0, 1, 15, 16, 31, 32, 47, 63, 64):
+        sched, _ = make(chunked_prefill_size=16, enable_mixed_chunk=mixed, page=page)
+        busy = req("busy", [rng.randrange(1000) for _ in range(5)], 30)
+        lp = req("lp", prompt, 0 if start == 63 else 2, return_logprob=True,
+                 logprob_start_len=start)
+        sched.add_request(busy)
+        results = {}
+        for _ in range(2):  # busy decodes: a mixed batch carries it beside lp's chunks
+            collect(results, sched.step())
+        results = run(sched, [lp], results=results)
+        got = next(o.input_token_logprobs for o in results["lp"].outputs
+                   if o.input_token_logprobs is not None)
+        assert_logprobs_equal(got, reference_input_logprobs(prompt, start))
+        assert results["busy"].tokens == reference_tokens(busy.origin_input_ids, 30)
+        assert sched.stats.num_mixed_batches > 0 or not mixed
 
 
 def _first_token_order(sched, reqs):

@@ -47,6 +47,10 @@ class ForwardBatch:
     return_logprob: torch.Tensor | None = None  # [B] bool
     top_logprobs_num: torch.Tensor | None = None  # [B] int64
     input_logprob_starts: torch.Tensor | None = None  # [B] int64
+    # For a request with input logprobs whose extend stops inside its prompt (a chunk of a
+    # chunked prefill): the prompt token right after the chunk, scored with the chunk's last
+    # logits, which the next chunk no longer has (-1: none). Set only with input_logprob_starts.
+    next_prompt_ids: torch.Tensor | None = None  # [B] int64
     # Token bitmask from grammars, [B, ceil(V/32)] int32, or None when no request is constrained.
     vocab_mask: torch.Tensor | None = None
     # Hierarchical cache: KV copies the worker runs before the forward, stores first (this
@@ -77,8 +81,10 @@ class ForwardOutput:
     top_logprobs: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
     # per request with input_logprob_starts[i] = s >= 0: for extend-token indices j in
     # [s, extend_len - 1), the logprob of extend token j + 1 under the logits at j; that is
-    # extend_len - 1 - s values. The token at s itself has no value (its logits were not
-    # computed here), which is why SGLang's contract puts a null first.
+    # extend_len - 1 - s values, plus one last value, the logprob of next_prompt_ids[i] under
+    # the logits at extend_len - 1, when that id is >= 0. The token at s itself has no value
+    # (its logits were not computed here), which is why SGLang's contract puts a null first;
+    # a later chunk's first token got its value from the chunk before (next_prompt_ids).
     input_token_logprobs: list[torch.Tensor | None] | None = None
     input_top_logprobs: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
     # Hierarchical cache: whether the batch's kv_store / kv_load copies succeeded on every

@@ -273,26 +273,33 @@ class ModelRunner:
     def _input_logprobs(self, batch: ForwardBatch, hidden: torch.Tensor, input_ids: torch.Tensor):
         """Per request: the logprobs of its prompt tokens from its logprob start on ([N], None
         when it asked for none) and, when it asked for ``top_logprobs_num`` k > 0, the k best
-        at each of those positions (values [N, k], ids [N, k]; else None)."""
+        at each of those positions (values [N, k], ids [N, k]; else None). A chunk that stops
+        inside the prompt also scores the token after it (``batch.next_prompt_ids``) with its
+        last position's logits: the next chunk starts past them."""
         tokens: list[torch.Tensor | None] = []
         tops: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         ks = (batch.top_logprobs_num.tolist() if batch.top_logprobs_num is not None
               else [0] * batch.batch_size)
+        next_ids = (batch.next_prompt_ids.tolist() if batch.next_prompt_ids is not None
+                    else [-1] * batch.batch_size)
         offset = 0
-        for start, extend, k in zip(batch.input_logprob_starts.tolist(),
-                                    batch.extend_lens.tolist(), ks):
+        for start, extend, k, next_id in zip(batch.input_logprob_starts.tolist(),
+                                             batch.extend_lens.tolist(), ks, next_ids):
+            # position p predicts token p + 1; the last position predicts the next chunk's
+            # first token when there is one, else nothing known here
+            end = extend if next_id >= 0 else extend - 1
             if start < 0:
                 tokens.append(None)
                 tops.append(None)
-            elif start >= extend - 1:  # nothing to score in this chunk (no empty collectives)
+            elif start >= end:  # nothing to score in this chunk (no empty collectives)
                 tokens.append(torch.empty(0))
                 tops.append((torch.empty(0, k), torch.empty(0, k, dtype=torch.int64))
                             if k > 0 else None)
             else:
-                # position p predicts token p + 1; the chunk's last token predicts nothing here
-                positions = slice(offset + start, offset + extend - 1)
-                logits = self.model.logits(hidden[positions])
+                logits = self.model.logits(hidden[offset + start : offset + end])
                 targets = input_ids[offset + start + 1 : offset + extend]
+                if next_id >= 0:
+                    targets = torch.cat([targets, self._to_device(torch.tensor([next_id]))])
                 tokens.append(token_logprobs(logits, targets).cpu())
                 tops.append(tuple(t.cpu() for t in top_logprobs(logits, k)) if k > 0 else None)
             offset += extend
