@@ -59,3 +59,14 @@ def ray_session():
              _node_ip_address="127.0.0.1", namespace="radixray", log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def servers():
+    """Servers (router/fake_worker.ServerThread) a test starts; stopped at its end, all at once."""
+    started = []
+    yield started
+    for server in started:
+        server.stop_nowait()
+    for server in started:
+        server.join()

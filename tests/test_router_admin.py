@@ -1,37 +1,19 @@
 """Who may manage the router's workers, SGLang's admin route names, and what the router does
 when a worker fails a request it predicted as cached there (the tree forgets it)."""
 
-import httpx
 import pytest
+from router_helpers import start_fakes, start_router
 from starlette.requests import Request
 
 from radixray.router.admin import admin_refusal
-from radixray.router.app import Router, build_app
 from radixray.router.config import RouterConfig
 from radixray.router.fake_worker import FakeWorker, serve_in_thread
 
 
-@pytest.fixture
-def servers():
-    started = []
-    yield started
-    for server in started:
-        server.stop_nowait()
-    for server in started:
-        server.join()
-
-
 def start(servers, n_workers=2, **config_kw):
-    fakes = [FakeWorker(f"w{i}") for i in range(n_workers)]
-    urls = []
-    for fake in fakes:
-        servers.append(serve_in_thread(fake.app))
-        urls.append(servers[-1].url)
-    config = RouterConfig(worker_urls=urls, seed=0, health_check_interval=60.0,
-                          retry_initial_backoff=0.01, **config_kw)
-    router = Router(config)
-    servers.append(serve_in_thread(build_app(config, router)))
-    return httpx.Client(base_url=servers[-1].url, timeout=20), router, fakes, urls
+    fakes, urls = start_fakes(servers, n_workers)
+    client, router = start_router(servers, urls, **config_kw)
+    return client, router, fakes, urls
 
 
 def request_from(host: str, authorization: str | None = None) -> Request:
