@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
@@ -29,10 +29,13 @@ from . import native_api, openai_api
 from .engine_protocol import EngineClient
 from .generation import (APIError, ServingContext, bad_request, collect_states,
                          prepare_off_loop_if_large, until_disconnect)
-from .metrics import COUNTERS, GAUGES, EngineMetrics
+from .metrics import COUNTERS, EXPOSITION_CONTENT_TYPE, GAUGES, EngineMetrics
 from .openai_serving import chat_completions, completions
 
 HEALTH_PATHS = ("/health", "/health_generate")
+# Open without the API key, as SGLang's: load balancers and Prometheus scrape them; neither
+# generates text for a client (a health check's one token is discarded) nor reveals any.
+OPEN_PATHS = (*HEALTH_PATHS, "/metrics")
 
 
 @dataclass
@@ -102,7 +105,7 @@ class ApiKeyMiddleware:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] not in HEALTH_PATHS:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             headers = dict(scope.get("headers") or [])
             if headers.get(b"authorization") != self.expected:
                 err = APIError(401, "Missing or invalid API key (Authorization: Bearer ...)",
@@ -254,7 +257,7 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
         stats = engine.stats()
         metrics.update_scheduler_stats({k: v for k, v in stats.items()
                                         if k in GAUGES or k in COUNTERS})
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(registry), media_type=EXPOSITION_CONTENT_TYPE)
 
     # ------------------------------------------------------------------ generation
     @app.post("/generate")

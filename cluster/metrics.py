@@ -21,6 +21,9 @@ import threading
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+# One content type for every /metrics (router/metrics.py says why the classic text format)
+from ..router.metrics import EXPOSITION_CONTENT_TYPE  # noqa: F401 (re-exported)
+
 PREFIX = "radixray:"
 LABELS = ("model_name", "replica")
 
@@ -29,7 +32,8 @@ GAUGES = {
     "num_queue_reqs": "Requests waiting in the scheduler queue.",
     "num_grammar_queue_reqs": "Requests waiting for their grammar to compile.",
     "token_usage": "Fraction of KV-cache slots in use (0..1).",
-    "cache_hit_rate": "Fraction of recent prompt tokens served from the radix cache (0..1).",
+    "cache_hit_rate": "Fraction of prompt tokens served from the radix cache since the "
+                      "replica started (0..1).",
     "gen_throughput": "Generated tokens per second over the last reporting interval.",
     "new_token_ratio": "Current estimate of the fraction of max_new_tokens a request will use.",
     "kv_available_tokens": "KV-cache slots free right now.",
@@ -144,14 +148,6 @@ class EngineMetrics:
         itl = self.histograms["inter_token_latency_seconds"]
         for gap in gaps:
             itl.observe(gap)
-
-
-# What a replica's `/metrics` should answer with, whatever the scraper's Accept header says:
-# the classic text format. prometheus-client 0.26 answers an OpenMetrics Accept header (which
-# Prometheus sends by default) with the colon in sample names turned into an underscore while
-# HELP/TYPE keep it (prometheus/client_python issue 1177), so Prometheus would store
-# `radixray_token_usage` instead of `radixray:token_usage`. The text format keeps names intact.
-EXPOSITION_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def render_metrics(registry: CollectorRegistry) -> bytes:

@@ -17,7 +17,6 @@ import random
 import time
 
 import httpx
-from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -28,7 +27,7 @@ from .admin import admin_routes
 from .admission import Admission, Rejected
 from .config import CACHE_EPOCH_HEADER, RouterConfig
 from .health import HealthChecker
-from .metrics import RouterMetrics
+from .metrics import EXPOSITION_CONTENT_TYPE, RouterMetrics
 from .policies import RequestInfo, make_policy
 from .proxy import Proxy, downstream_headers, error_response, upstream_headers
 from .disconnect import until_disconnect
@@ -242,7 +241,7 @@ class Router:
 
     async def metrics_endpoint(self, request: Request) -> Response:
         body = self.metrics.render(self.registry.all(), self.tree)
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
+        return Response(body, media_type=EXPOSITION_CONTENT_TYPE)
 
 
 def build_app(config: RouterConfig, router: Router | None = None) -> Starlette:

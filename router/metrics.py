@@ -14,6 +14,11 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 PREFIX = "radixray_router:"
+# /metrics answers in the classic text format, whatever the client asks: prometheus-client
+# answers an OpenMetrics Accept header (which Prometheus sends by default) with the colon in
+# sample names turned into an underscore while HELP/TYPE keep it (prometheus/client_python issue
+# 1177). The replicas' /metrics uses this too.
+EXPOSITION_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                     120.0, 300.0, 600.0)
 

@@ -316,7 +316,8 @@ class Proxy:
                 worker.breaker.record_failure()
             else:
                 worker.breaker.record_neutral()
-            on_done(200)
+            # The 200 went out with the first byte; the books record how the stream ended.
+            on_done({"finished": 200, "failed": 502, "cut": 499}[outcome])
 
         return UpstreamStream(body(), cleanup, status_code=200,
                               headers=downstream_headers(resp.headers))

@@ -113,6 +113,10 @@ def test_client_disconnect_cancels_the_upstream_stream(make_cluster):
         next(resp.iter_raw())
     assert wait_until(lambda: fakes[0].cancelled_streams == 1, 5)
     assert_slots_released(router, urls[0])
+    # counted as cancelled (499), not as the 200 that went out with the first byte
+    assert wait_until(lambda: metric(
+        client, 'radixray_router:requests_total{route="/generate",status="499"}') == 1.0, 2)
+    assert metric(client, 'radixray_router:requests_total{route="/generate",status="200"}') == 0
 
 
 def wait_until(condition, seconds: float) -> bool:
