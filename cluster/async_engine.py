@@ -112,8 +112,8 @@ class InProcessEngine:
                 finished = item.finished
                 yield item
         finally:
-            if not finished:
-                self._send(("abort", req.rid))
+            if not finished:  # only this one: another request may have this rid by now
+                self._send(("abort", req.rid, r))
 
     async def abort(self, rid: str) -> None:
         self._send(("abort", rid))
@@ -224,7 +224,9 @@ class InProcessEngine:
             self._sinks[req.rid] = (loop, queue)
             self._submitted_at[req.rid] = time.perf_counter()
         elif kind == "abort":
-            self.scheduler.abort(command[1])
+            rid, only = command[1], command[2] if len(command) > 2 else None
+            if only is None or self.scheduler.live.get(rid) is only:
+                self.scheduler.abort(rid)
         elif kind == "call":
             _, fn, future = command
             try:

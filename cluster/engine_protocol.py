@@ -66,7 +66,7 @@ class EngineClient(Protocol):
 
     def cache_epoch(self) -> str:
         """Changes whenever the radix cache is emptied (a new engine, a flush); the HTTP server
-        sends it on every answer so that the router notices."""
+        sends it on every answer so that the router notices. "": no cache right now."""
         ...
 
     async def health_check(self, timeout: float) -> bool:

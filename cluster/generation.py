@@ -215,9 +215,12 @@ class Session:
             self.ctx.live.pop(self.client_rid, None)
 
 
-async def run_request(ctx: ServingContext, req: GenerateRequest) -> AsyncIterator[RequestState]:
+async def run_request(ctx: ServingContext, req: GenerateRequest,
+                      prompt_hit: tuple[int, int] | None = None) -> AsyncIterator[RequestState]:
     """Submit ``req`` and yield its state after each output, the last one finished. Leaving the
-    loop early (or a stop string) closes the engine stream, which aborts the request."""
+    loop early (or a stop string) closes the engine stream, which aborts the request.
+    ``prompt_hit``: (cached, host-cached) tokens of its prompt's warm-up (n > 1), reported
+    instead of its own hit, which the warm-up made."""
     sp = req.sampling_params
     state = RequestState(req, IncrementalDetokenizer(
         ctx.tokenizer, skip_special_tokens=sp.skip_special_tokens, stop=sp.stop,
@@ -241,6 +244,8 @@ async def run_request(ctx: ServingContext, req: GenerateRequest) -> AsyncIterato
                 raise APIError(503, str(e), err_type="ServiceUnavailableError") from None
             ctx.waiting.discard(req.rid)
             state.apply(out)
+            if prompt_hit is not None:
+                state.cached_tokens, state.host_cached_tokens = prompt_hit
             yield state
             if state.finished:
                 break
@@ -257,7 +262,8 @@ async def run_request(ctx: ServingContext, req: GenerateRequest) -> AsyncIterato
                 state.itl, state.e2e_latency, state.queue_time)
 
 
-async def run_many(ctx: ServingContext, reqs: list[GenerateRequest]
+async def run_many(ctx: ServingContext, reqs: list[GenerateRequest],
+                   prompt_hits: list[tuple[int, int] | None] | None = None
                    ) -> AsyncIterator[tuple[int, RequestState]]:
     """Run several requests at once; yield (index into ``reqs``, state) in arrival order.
     Each request waits for its state to be consumed before folding in its next output, so a
@@ -267,7 +273,8 @@ async def run_many(ctx: ServingContext, reqs: list[GenerateRequest]
 
     async def pump(i: int, req: GenerateRequest) -> None:
         try:
-            async with aclosing(run_request(ctx, req)) as states:
+            hit = prompt_hits[i] if prompt_hits is not None else None
+            async with aclosing(run_request(ctx, req, hit)) as states:
                 async for state in states:
                     consumed = asyncio.Event()
                     await queue.put((i, state, consumed))
@@ -295,22 +302,27 @@ async def run_many(ctx: ServingContext, reqs: list[GenerateRequest]
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def prefill_only(ctx: ServingContext, req: GenerateRequest, copies: list[str]) -> None:
+async def prefill_only(ctx: ServingContext, req: GenerateRequest,
+                       copies: list[str]) -> tuple[int, int] | None:
     """Compute ``req``'s prompt into the radix cache (max_new_tokens 0), so its ``copies``
     (rids; n > 1) submitted after it reuse its KV instead of each computing the prompt. The
     warm-up's rid is unique (a client's rid can never collide with it), and aborting any copy
-    aborts it."""
+    aborts it. Returns the prompt's real cache hit (cached, host-cached tokens), None if the
+    warm-up did not run."""
     if ctx.aborted.intersection(copies):
-        return
+        return None
     warm = replace(req, rid=new_rid(req.rid + "-prefill-"), return_logprob=False,
                    logprob_start_len=-1, top_logprobs_num=0,
                    sampling_params=replace(req.sampling_params, max_new_tokens=0,
                                            min_new_tokens=0, n=1))
     ctx.warmups.update(dict.fromkeys(copies, warm.rid))
+    hit = None
     try:
         async with aclosing(ctx.engine.generate(warm)) as outputs:
-            async for _ in outputs:
-                pass
+            async for out in outputs:
+                # capped as a generating request's: it recomputes the prompt's last token
+                cached = min(out.cached_tokens, len(req.input_ids) - 1)
+                hit = (cached, min(out.host_cached_tokens, cached))
     except ValueError as e:  # refused by the engine: the message names the field
         raise bad_request(str(e), param=str(e).partition(":")[0]) from None
     except RuntimeError as e:  # the engine is not running
@@ -318,17 +330,22 @@ async def prefill_only(ctx: ServingContext, req: GenerateRequest, copies: list[s
     finally:
         for rid in copies:
             ctx.warmups.pop(rid, None)
+    return hit
 
 
 async def run_all(ctx: ServingContext, firsts: list[GenerateRequest],
                   copies: list[list[GenerateRequest]]) -> AsyncIterator[tuple[int, RequestState]]:
     """Yield (flat index, state) for every copy of every prompt. With n > 1 each prompt is
-    computed once into the radix cache first, so its copies share that KV."""
+    computed once into the radix cache first, so its copies share that KV; they report the
+    warm-up's cache hit as theirs (the prompt's real one, not the hit the warm-up gave them)."""
     flat = [r for group in copies for r in group]
+    hits = None
     if len(flat) > len(firsts):
+        hits = []
         for req, group in zip(firsts, copies, strict=True):
-            await prefill_only(ctx, req, [r.rid for r in group])
-    async with aclosing(run_many(ctx, flat)) as updates:
+            hit = await prefill_only(ctx, req, [r.rid for r in group])
+            hits += [hit] * len(group)
+    async with aclosing(run_many(ctx, flat, hits)) as updates:
         async for i, state in updates:
             yield i, state
 

@@ -23,8 +23,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from .. import __version__
-from ..router.config import CACHE_EPOCH_HEADER
-from ..router.proxy import ERROR_TYPES
+from ..router.config import CACHE_EPOCH_HEADER, ERROR_TYPES
 from . import native_api, openai_api
 from .engine_protocol import EngineClient
 from .generation import (APIError, ServingContext, bad_request, collect_states,
@@ -127,9 +126,10 @@ class CacheEpochHeader:
             return await self.app(scope, receive, send)
 
         async def send_with_epoch(message):
-            if message["type"] == "http.response.start":
-                epoch = (CACHE_EPOCH_HEADER.encode(), self.engine.cache_epoch().encode())
-                message = {**message, "headers": [*message.get("headers", []), epoch]}
+            epoch = self.engine.cache_epoch() if message["type"] == "http.response.start" else ""
+            if epoch:  # (none while a replica restarts: it has no cache)
+                header = (CACHE_EPOCH_HEADER.encode(), epoch.encode())
+                message = {**message, "headers": [*message.get("headers", []), header]}
             await send(message)
 
         await self.app(scope, receive, send_with_epoch)

@@ -20,9 +20,10 @@ from .tool_calls import ToolPlan
 
 def usage(states: list[RequestState], n: int) -> dict:
     """The answer's token counts; ``states`` prompt-major, ``n`` copies per prompt. Prompt and
-    cached tokens count once per prompt (from its first copy: every copy has the same prompt,
-    and all but the first find it cached because of it); completion tokens count for every
-    copy, best_of candidates left out of the answer included (as OpenAI bills them)."""
+    cached tokens count once per prompt (from its first copy: every copy has the same prompt
+    and reports the prompt's own cache hit, see generation.run_all); completion tokens count
+    for every copy, best_of candidates left out of the answer included (as OpenAI bills
+    them)."""
     firsts = states[::n]
     prompt = sum(s.prompt_tokens or len(s.req.input_ids) for s in firsts)
     completion = sum(s.completion_tokens for s in states)
@@ -33,16 +34,18 @@ def usage(states: list[RequestState], n: int) -> dict:
 
 def most_likely(states: list[RequestState], candidates: int, n: int) -> list[RequestState]:
     """best_of: per prompt (``candidates`` consecutive states), the ``n`` with the highest
-    cumulative output logprob, most likely first (ties keep their order)."""
+    output logprob per token (OpenAI's "best"; a sum would favour the shortest), most likely
+    first, empty ones last (ties keep their order)."""
     kept = []
     for start in range(0, len(states), candidates):
         group = states[start:start + candidates]
-        kept += sorted(group, key=_cumulative_logprob, reverse=True)[:n]
+        kept += sorted(group, key=_mean_logprob, reverse=True)[:n]
     return kept
 
 
-def _cumulative_logprob(state: RequestState) -> float:
-    return sum(lp for lp, _ in state.output_token_logprobs if lp is not None)
+def _mean_logprob(state: RequestState) -> float:
+    values = [lp for lp, _ in state.output_token_logprobs if lp is not None]
+    return sum(values) / len(values) if values else float("-inf")
 
 
 def finish_fields(state: RequestState) -> dict:

@@ -110,7 +110,7 @@ class SwappableEngine:
         return await self._engine().flush_cache()
 
     def cache_epoch(self) -> str:
-        return self.current.cache_epoch() if self.current is not None else "restarting"
+        return self.current.cache_epoch() if self.current is not None else ""  # no cache yet
 
     async def health_check(self, timeout: float) -> bool:
         engine = self.current

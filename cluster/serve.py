@@ -75,7 +75,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
     p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     p.add_argument("--model", "--model-path", dest="model_path", default=None,
-                   help="HF model folder; None: the built-in demo model (trained, shipped with radixray)")
+                   help="HF model folder; None: the built-in demo model (trained, shipped "
+                        "with radixray)")
     p.add_argument("--tokenizer-path", default=None, help="None: the model folder")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send; None: the model path "

@@ -4,10 +4,10 @@
 bundle per rank (so a TP group never spans machines), joins them into a process group through a
 port that rank 0 picks, and loads the shards. The placement group is either its own, or one the
 caller reserved with ``reserve_rank_bundles`` and keeps across groups (a replica reserves one
-first, so that its head can be placed on rank 0's node, and reuses it when its ranks restart). It then looks like a model runner to
-the scheduler: ``submit(batch)`` returns a handle at once (overlap scheduling submits the next
-batch before this one's tokens are back), ``result(handle)`` waits for the tokens with a
-per-step timeout, ``forward(batch)`` does both.
+first, so that its head can be placed on rank 0's node, and reuses it when its ranks
+restart). It then looks like a model runner to the scheduler: ``submit(batch)`` returns a
+handle at once (overlap scheduling submits the next batch before this one's tokens are back),
+``result(handle)`` waits for the tokens with a per-step timeout, ``forward(batch)`` does both.
 
 Any failure (actor died, step timed out, start-up error) raises ``WorkerGroupError``; the caller
 decides to restart. ``shutdown`` always leaves nothing running.

@@ -2,7 +2,8 @@
 
 ``GET /workers`` lists the workers with their state; ``POST /workers {"url": ...}`` adds one;
 ``DELETE /workers/{url}`` removes one. SGLang's router names are kept as aliases:
-``POST /add_worker?url=``, ``POST /remove_worker?url=``, ``GET /list_workers`` (``{"urls": [...]}``).
+``POST /add_worker?url=``, ``POST /remove_worker?url=``, ``GET /list_workers``
+(``{"urls": [...]}``).
 
 A worker added here receives clients' requests (their prompts and Authorization headers) and the
 router's own requests with the replicas' API key, so these routes are not open to whoever can

@@ -86,6 +86,9 @@ def serve(config: RouterConfig) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request is noise
     uvicorn.run(build_app(config), host=config.host, port=config.port,
                 log_level=config.log_level, access_log=False,
+                # the peer address is the client: no X-Forwarded-For may make anyone loopback
+                # (router/admin.py lets loopback clients manage workers without a key)
+                proxy_headers=False,
                 timeout_graceful_shutdown=config.shutdown_timeout)
 
 

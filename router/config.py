@@ -13,6 +13,9 @@ WORKER_API_KEY_ENV = "RADIXRAY_WORKER_API_KEY"
 # Sent by a replica on every answer: changes whenever its radix cache is emptied (restart, flush),
 # so the router forgets the prefixes it believed cached there.
 CACHE_EPOCH_HEADER = "x-radixray-cache-epoch"
+# Error "type" by status, as the replicas and SGLang name them (router and replica answer alike)
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+               429: "TooManyRequests", 502: "BadGatewayError", 503: "ServiceUnavailableError"}
 POLICY_NAMES = ("cache_aware", "round_robin", "random", "power_of_two", "least_load",
                 "consistent_hash")
 

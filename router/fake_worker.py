@@ -10,8 +10,9 @@ counts as one token.
 Knobs on the FakeWorker object (tests flip them while it serves): ``fail_status`` answers every
 generation with that status; ``delay`` waits before answering; ``chunk_delay`` paces stream
 chunks; ``health_status`` is what /health returns; ``restart()`` empties the cache as a restarted
-engine's (every answer carries the cache epoch header, as a replica's). A client that disconnects during ``delay``
-is counted in ``cancelled_requests``, the way an engine aborts such a request.
+engine's (every answer carries the cache epoch header, as a replica's). A client that
+disconnects during ``delay`` is counted in ``cancelled_requests``, the way an engine aborts
+such a request.
 
 ``serve_in_thread(app)`` runs any ASGI app with uvicorn on 127.0.0.1 in a daemon thread;
 ``python -m radixray.router.fake_worker --port 0`` runs one in its own process and prints

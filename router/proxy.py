@@ -18,7 +18,7 @@ import anyio
 import httpx
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from .config import CACHE_EPOCH_HEADER, RouterConfig
+from .config import CACHE_EPOCH_HEADER, ERROR_TYPES, RouterConfig
 from .metrics import RouterMetrics
 from .policies import Policy, RequestInfo, least_loaded
 from .request import SSETail, token_counts
@@ -43,10 +43,6 @@ def upstream_headers(headers) -> dict[str, str]:
 
 def downstream_headers(headers) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
-
-
-ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-               429: "TooManyRequests", 502: "BadGatewayError", 503: "ServiceUnavailableError"}
 
 
 def error_response(route: str, status: int, message: str,

@@ -162,7 +162,9 @@ class ApproxRadixTree:
     def forget(self, text: str, tenant: str, keep_chars: int) -> None:
         """Undo an ``insert`` of ``text`` for ``tenant`` past its first ``keep_chars`` (what it
         held before): the worker failed the request, so it did not cache it. Takes ``tenant``
-        off the path's nodes deeper than that, deepest first, while they are its leaves."""
+        off the path's nodes deeper than that, deepest first, while they are its leaves. A
+        request with the same text that the worker answered meanwhile loses its entries too:
+        a routing miss later, never a wrong answer."""
         lru = self._lru.get(tenant)
         if lru is None:
             return

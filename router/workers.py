@@ -10,7 +10,7 @@ that worker's cache is empty.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from .circuit import CircuitBreaker
@@ -39,7 +39,8 @@ class Worker:
     served: int = 0  # requests answered successfully (for load-spread figures)
     tree_limit: int | None = None  # this worker's tree bound in chars, from its KV capacity
     server_info_read: bool = False  # /get_server_info was asked once (answer or not)
-    cache_epoch: str | None = None  # the worker's CACHE_EPOCH_HEADER, last seen
+    cache_epoch: str | None = None  # the worker's CACHE_EPOCH_HEADER, newest seen
+    retired_engines: set[str] = field(default_factory=set)  # engine ids of older epochs
 
     def available(self) -> bool:
         return self.healthy and self.breaker.allows()
@@ -106,10 +107,22 @@ class WorkerRegistry:
 
     def observe_epoch(self, worker: Worker, epoch: str | None) -> bool:
         """Record the cache epoch an answer of ``worker`` carried; True (and listeners drop its
-        tree entries) when it differs from the last one seen. Answers without one (workers
-        that do not send it, the router's own errors) change nothing."""
+        tree entries) when it is newer than the last one seen. Answers without one (workers
+        that do not send it, the router's own errors) change nothing, and neither does an
+        older one (a slow answer overtaken by a newer one): epochs read ``<engine>.<flushes>``,
+        newer being a new engine or more flushes."""
         if not epoch or epoch == worker.cache_epoch:
             return False
+        engine, _, flushes = epoch.rpartition(".")
+        if engine in worker.retired_engines:
+            return False
+        if worker.cache_epoch is not None:
+            last_engine, _, last_flushes = worker.cache_epoch.rpartition(".")
+            if engine == last_engine and flushes.isdigit() and last_flushes.isdigit() \
+                    and int(flushes) < int(last_flushes):
+                return False
+            if engine != last_engine:
+                worker.retired_engines.add(last_engine)
         changed = worker.cache_epoch is not None
         worker.cache_epoch = epoch
         if changed:

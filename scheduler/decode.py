@@ -39,7 +39,8 @@ def make_room_for_decode(running: list[Req], cache: CacheManager,
     ``stalled_chunk`` is the prompt mid-chunk, if any. Decode runs only when it got no piece
     this round, so it makes no progress while it holds its computed chunks locked; it goes
     first: releasing it costs nothing now (its chunks stay in the tree, merely evictable,
-    and are reused when it comes back unless decode needed their slots), and it is the
+    and are reused when it comes back unless decode needed their slots, or it asked for
+    input logprobs, which are computed again from its logprob start), and it is the
     only way out when a single request is left running (with mixed chunk, decodes ride along
     with every chunk and can eat the room the chunked prompt was admitted with).
 

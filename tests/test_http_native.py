@@ -201,17 +201,25 @@ def test_stop_regex_ends_the_output_where_it_first_matches(client):
     assert events[-2]["meta_info"]["finish_reason"] == cut["meta_info"]["finish_reason"]
 
 
-def test_parallel_samples_share_the_prompt(client, server):
+def test_parallel_samples_share_the_prompt(client, server, engine):
     tok = server.tokenizer
     prompt = "def parse_args(argv):\n    parser ="
-    r = client.post("/generate", json={"text": prompt, "sampling_params": {
-        "n": 3, "max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True}}).json()
-    assert isinstance(r, list) and len(r) == 3
     n_prompt = len(tok.encode(prompt))
+    computed = engine.call_sync(lambda s: s.stats.prefill_tokens)
+    body = {"text": prompt, "sampling_params": {"n": 3, "max_new_tokens": 8,
+                                                "temperature": 1.0, "ignore_eos": True}}
+    r = client.post("/generate", json=body).json()
+    assert isinstance(r, list) and len(r) == 3
+    hit = r[0]["meta_info"]["cached_tokens"]  # the prompt's own: at most a common opening
+    assert hit < n_prompt - 1  # not the hit its warm-up gave each copy
+    # the prompt's KV was computed once (a warm-up), then each copy recomputes its last token
+    assert engine.call_sync(lambda s: s.stats.prefill_tokens) - computed == n_prompt - hit + 3
     for res in r:
-        assert res["meta_info"]["cached_tokens"] == n_prompt - 1  # KV computed once
+        assert res["meta_info"]["cached_tokens"] == hit
         assert res["meta_info"]["completion_tokens"] == 8
     assert len({tuple(res["output_ids"]) for res in r}) > 1  # sampled copies differ
+    again = client.post("/generate", json=body).json()
+    assert [res["meta_info"]["cached_tokens"] for res in again] == [n_prompt - 1] * 3
 
 
 def test_operational_endpoints(client, server, engine, tiny_llama_path):
@@ -364,12 +372,18 @@ def test_an_abort_while_n_copies_wait_for_their_warm_up_ends_them_all(client, se
 
 def test_a_client_rid_cannot_collide_with_a_warm_up(client, server, engine):
     """The warm-up's rid was ``<rid>-prefill``: a client request with that rid made the n > 1
-    request a 500 and, through the refusal's abort, killed the client's request."""
+    request a 500 and, through the refusal's abort, killed the client's request. Both are
+    queued while the engine is held, so they run side by side from the same step."""
+    hold = _frozen_engine(engine)
     first = _post_in_thread(server, {"text": "x", "rid": "clash-prefill", "sampling_params":
                                      {"max_new_tokens": 1500, "ignore_eos": True}})
     _wait_live(server.app.state.ctx, "clash-prefill")
-    r = client.post("/generate", json={"text": "y " * 20, "rid": "clash",
-                                       "sampling_params": {"max_new_tokens": 4, "n": 2}})
+    second = _post_in_thread(server, {"text": "y " * 20, "rid": "clash",
+                                      "sampling_params": {"max_new_tokens": 4, "n": 2}})
+    _wait_live(server.app.state.ctx, "clash")
+    hold.set()
+    second["thread"].join(30)
+    r = second["r"]
     assert r.status_code == 200 and len(r.json()) == 2, r.text
     assert engine.call_sync(lambda s: "clash-prefill" in s.live)  # still running
     client.post("/abort_request", json={"rid": "clash-prefill"})

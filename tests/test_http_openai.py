@@ -156,21 +156,25 @@ def test_n_copies_share_the_prompt_and_differ(client, server):
     assert sorted(ch.index for ch in c.choices) == [0, 1]
     assert c.usage.prompt_tokens == n_prompt  # counted once per prompt
     assert c.usage.completion_tokens == 16
-    # the copies found the prompt in the radix cache (computed once, before them); cached
-    # tokens, part of the prompt, count once per prompt as the prompt does
-    assert c.usage.prompt_tokens_details.cached_tokens == n_prompt - 1
+    # cached tokens, part of the prompt, count once per prompt as the prompt does, and are the
+    # prompt's own hit: at most a common opening for a new prompt (the copies' hit on their
+    # warm-up is not one)
+    assert c.usage.prompt_tokens_details.cached_tokens < n_prompt - 1
+    other = "import os  # the other prompt of the usage test"
     usage = list(client.completions.create(
-        model=MODEL_NAME, prompt=[prompt, "import os"], n=3, max_tokens=2, stream=True,
+        model=MODEL_NAME, prompt=[prompt, other], n=3, max_tokens=2, stream=True,
         stream_options={"include_usage": True}))[-1].usage
-    n_other = len(server.tokenizer.encode("import os"))
+    n_other = len(server.tokenizer.encode(other))
     assert usage.prompt_tokens == n_prompt + n_other
-    assert usage.prompt_tokens_details.cached_tokens == n_prompt - 1 + n_other - 1
+    # the first prompt is known now; the other one is new (at most a common opening hits)
+    assert n_prompt - 1 <= usage.prompt_tokens_details.cached_tokens < n_prompt - 1 + n_other - 1
     chat = client.chat.completions.create(
-        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=6,
-        temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi, n=2 usage check"}], n=2,
+        max_tokens=6, temperature=1.0, seed=5, extra_body={"ignore_eos": True})
     assert len(chat.choices) == 2
     assert chat.choices[0].message.content != chat.choices[1].message.content
-    assert chat.usage.prompt_tokens_details.cached_tokens == chat.usage.prompt_tokens - 1
+    # the chat template's opening may be cached from earlier chats; the message is new
+    assert chat.usage.prompt_tokens_details.cached_tokens < chat.usage.prompt_tokens - 1
     streamed = list(client.completions.create(model=MODEL_NAME, prompt=prompt, n=2,
                                               max_tokens=8, temperature=0, stream=True))
     texts = {0: "", 1: ""}
@@ -283,11 +287,11 @@ def test_chat_logprob_bytes_are_each_tokens_own(client):
 
 def test_best_of_returns_the_most_likely_candidates(client):
     """best_of candidates are the n=best_of copies (the same seeds); the answer keeps the n with
-    the highest cumulative logprob, best first, and bills every candidate's tokens."""
+    the highest logprob per token, best first, and bills every candidate's tokens."""
     kw = dict(model=MODEL_NAME, prompt="def", max_tokens=4, temperature=1.0, seed=11,
               extra_body={"ignore_eos": True})
     every = client.completions.create(n=3, logprobs=0, **kw)
-    score = {c.text: sum(c.logprobs.token_logprobs) for c in every.choices}
+    score = {c.text: sum(c.logprobs.token_logprobs) / 4 for c in every.choices}
     assert len(score) == 3  # distinct candidates, so the ranking shows
     best = client.completions.create(n=2, best_of=3, **kw)
     assert [c.text for c in best.choices] == sorted(score, key=score.get, reverse=True)[:2]

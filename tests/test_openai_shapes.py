@@ -113,10 +113,13 @@ def test_usage_counts_each_prompt_once_and_every_copys_completion():
 
 
 def test_best_of_keeps_the_most_likely_per_prompt_best_first():
+    # per token: a (-2 a token) beats c (-3), though a's sum (-4) is lower than c's
     a, b, c = _state(3, 0, [-2.0, -2.0]), _state(3, 2, [-0.5]), _state(3, 2, [-3.0])
     d, e, f = _state(3, 0, [-1.0]), _state(3, 2, [-1.0]), _state(3, 2, [-0.1])
     kept = most_likely([a, b, c, d, e, f], 3, 2)
-    assert [id(s) for s in kept] == [id(b), id(c), id(f), id(d)]  # a tie keeps the order
+    assert [id(s) for s in kept] == [id(b), id(a), id(f), id(d)]  # a tie keeps the order
+    empty = _state(3, 0, [])  # a sum would rank it first (0)
+    assert [id(s) for s in most_likely([empty, c], 2, 2)] == [id(c), id(empty)]
 
 
 def test_validation_errors_name_fields_as_the_hand_written_checks_do():

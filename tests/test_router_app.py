@@ -115,7 +115,7 @@ def test_client_disconnect_cancels_the_upstream_stream(make_cluster):
     assert_slots_released(router, urls[0])
     # counted as cancelled (499), not as the 200 that went out with the first byte
     assert wait_until(lambda: metric(
-        client, 'radixray_router:requests_total{route="/generate",status="499"}') == 1.0, 2)
+        client, 'radixray_router:requests_total{route="/generate",status="499"}') == 1.0, 5)
     assert metric(client, 'radixray_router:requests_total{route="/generate",status="200"}') == 0
 
 

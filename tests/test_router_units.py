@@ -283,3 +283,24 @@ def test_sweep_drops_gone_and_unhealthy_workers_and_reasserts_bounds():
     assert router.tree.size("http://a:1") == 200
     # the 193-char leaf went; the "http://" node shared with a stays
     assert router.tree.size("http://c:1") == len("http://")
+
+
+def test_only_a_newer_cache_epoch_drops_a_workers_tree():
+    """A slow answer carrying an older epoch (overtaken by a newer one) must not drop the tree
+    again: epochs are ``<engine>.<flushes>``, newer meaning a new engine or more flushes."""
+    from radixray.router.config import RouterConfig
+    from radixray.router.workers import WorkerRegistry
+
+    registry = WorkerRegistry(RouterConfig())
+    dropped = []
+    registry.on_down(dropped.append)
+    worker = registry.add("http://w:1")
+    seen = [registry.observe_epoch(worker, e) for e in (
+        "a.0",  # the first sighting: nothing to drop
+        "a.0", "a.1",  # a flush
+        "a.0",  # stale
+        "b.0",  # a restart
+        "a.1", "a.2",  # stale: a retired engine
+        "b.1", None, "")]
+    assert seen == [False, False, True, False, True, False, False, True, False, False]
+    assert dropped == ["http://w:1"] * 3 and worker.cache_epoch == "b.1"
