@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
@@ -54,6 +55,21 @@ def advertised_url(bind_host: str, port: int, node_ip: str) -> str:
     if ":" in host:  # IPv6 literal
         host = f"[{host}]"
     return f"http://{host}:{port}"
+
+
+def bindable_port(host: str, preferred: int, tries: int = 64) -> int:
+    """``preferred`` if a server can listen on it at ``host`` now, else the next port up that
+    can; ``preferred`` again if none of ``tries`` can (the bind then fails loudly)."""
+    for candidate in range(preferred, min(preferred + tries, 65536)):
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            # as uvicorn binds: a dead predecessor's connections in TIME_WAIT do not count
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, candidate))
+            except OSError:
+                continue
+            return candidate
+    return preferred
 
 
 def replica_actor_options(replica_id: str, node_id: str) -> dict:
@@ -174,12 +190,21 @@ class ReplicaServer:
         self.group: WorkerGroup | None = None
         self.engine = SwappableEngine()
         self.pg_prefix = f"{ACTOR_PREFIX}{replica_id}/"  # names this replica's placement groups
-        if ray.get_runtime_context().was_current_actor_reconstructed:
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        if restarted:
             n = remove_placement_groups(self.pg_prefix)  # the dead head's; its ranks died with it
             log.warning("replica %s: head restarted by Ray; removed %d placement group(s) of "
                         "its predecessor", replica_id, n)
         self._start_engine()
         self.host, self.port = host, port or free_port()
+        if restarted and port:
+            # Ray may restart the head on another node (its own died), where with the per-node
+            # port policy another replica can hold this port: serve on the next free one
+            # (Ray discovery finds the new URL) rather than fail the restart for good.
+            self.port = bindable_port(host, port)
+            if self.port != port:
+                log.warning("replica %s: port %d is taken on this node; serving on %d",
+                            replica_id, port, self.port)
         self.url = advertised_url(host, self.port, ray.util.get_node_ip_address())
         http = ServerArgs(model_path=model_path, host=host, port=self.port, replica=replica_id,
                           extra=self.server_args, **(http_args or {}))

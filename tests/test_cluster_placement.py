@@ -131,3 +131,22 @@ def test_port_policy_flag():
         serve_args("--replica-port-policy", "same")
     with pytest.raises(ValueError, match="policy"):
         replica_port("same", 30001, 0, [], "a")
+
+
+def test_a_restarted_head_takes_the_next_free_port_when_its_own_is_taken():
+    """With the per-node policy, Ray may restart a head on a node where another replica
+    listens on its port: it must serve on the next free one rather than fail for good."""
+    import socket
+
+    from radixray.cluster.replica import bindable_port
+
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert bindable_port("127.0.0.1", port) > port
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    assert bindable_port("127.0.0.1", port) == port  # free again: kept
