@@ -18,6 +18,7 @@ the non-streamed text by construction; for byte-level tokenizers both equal
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -140,18 +141,16 @@ def text_offsets(tokenizer, token_ids: list[int], start: int = 0,
     return offsets
 
 
-def _byte_level_alphabet() -> dict[str, int]:
-    """The inverse of GPT-2's byte-to-character table, which byte-level BPE vocabularies are
-    written in: printable Latin-1 bytes stand for themselves, every other byte for the
-    character 256 + its rank among those others (so no byte is whitespace or a control)."""
-    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    chars = {b: chr(b) for b in printable}
-    others = (b for b in range(256) if b not in chars)
-    chars.update({b: chr(256 + rank) for rank, b in enumerate(others)})
-    return {c: b for b, c in chars.items()}
+@functools.lru_cache(maxsize=1)
+def byte_level_alphabet() -> dict[str, int]:
+    """The inverse of GPT-2's byte-to-character table (transformers'), which byte-level BPE
+    vocabularies are written in."""
+    try:
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+    except ImportError:  # older transformers
+        from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+    return {c: b for b, c in bytes_to_unicode().items()}
 
-
-_BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
 _SENTENCEPIECE_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 SENTENCEPIECE_SPACE = "\u2581"
 
@@ -193,8 +192,9 @@ class TokenBytes:
             return self.added[token_id].encode()
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
         if isinstance(piece, str):
-            if self.scheme == "byte_level" and all(c in _BYTE_LEVEL_ALPHABET for c in piece):
-                return bytes(_BYTE_LEVEL_ALPHABET[c] for c in piece)
+            alphabet = byte_level_alphabet()
+            if self.scheme == "byte_level" and all(c in alphabet for c in piece):
+                return bytes(alphabet[c] for c in piece)
             if self.scheme == "sentencepiece":
                 byte = _SENTENCEPIECE_BYTE.fullmatch(piece)
                 if byte:

@@ -97,8 +97,8 @@ async def parse_body(request: Request, model: type[BaseModel]):
 
 
 class ApiKeyMiddleware:
-    """Every path but the health checks needs ``Authorization: Bearer <key>`` (pure ASGI, so
-    streaming and disconnects pass through untouched)."""
+    """Every path but ``OPEN_PATHS`` (health checks, metrics) needs ``Authorization: Bearer
+    <key>`` (pure ASGI, so streaming and disconnects pass through untouched)."""
 
     def __init__(self, app, api_key: str):
         self.app, self.expected = app, f"Bearer {api_key}".encode()

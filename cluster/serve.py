@@ -91,7 +91,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "number of replicas placed before it on the same node (one replica per "
                         "node: all on base, as the Helm chart expects)")
     p.add_argument("--api-key", default=None,
-                   help="require Authorization: Bearer KEY on every endpoint but /health*")
+                   help="require Authorization: Bearer KEY on every endpoint but /health* and "
+                        "/metrics")
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="answer 429 beyond this many requests waiting for their first token; "
                         "None: no limit")

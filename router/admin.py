@@ -15,6 +15,7 @@ machine (loopback: a shell on the node, ``kubectl port-forward``) may call them.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 
 from starlette.requests import Request
@@ -25,7 +26,12 @@ from .circuit import STATE_NAMES
 from .proxy import error_response
 from .workers import normalize_url
 
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # not an address (a test client's "testclient")
+        return False
 
 
 def admin_refusal(request: Request, api_key: str | None) -> Response | None:
@@ -37,8 +43,7 @@ def admin_refusal(request: Request, api_key: str | None) -> Response | None:
             return None
         return error_response(path, 401, "Authorization: managing workers needs "
                               "'Bearer <the cluster's API key>'")
-    client = request.client.host if request.client else None
-    if client in LOOPBACK_HOSTS or (client or "").startswith("127."):
+    if request.client is not None and _is_loopback(request.client.host):
         return None
     return error_response(path, 403, "Authorization: without an API key "
                           "(RADIXRAY_WORKER_API_KEY), workers can only be managed from the "

@@ -189,6 +189,19 @@ class Req:
     def remaining_new_tokens(self) -> int:
         return max(self.sampling_params.max_new_tokens - len(self.output_ids), 0)
 
+    def count_prompt_hits(self) -> None:
+        """At admission (the prefix matched): add to ``cached_tokens`` the prompt tokens the
+        matched prefix serves that this request had not computed itself (a retracted request
+        re-matching its own tokens gains nothing). Only the prompt counts, as in OpenAI's
+        usage: a grammar's forced opening (jump-forward) is output that may already be in the
+        tree. The host-loaded part of the match is its last part."""
+        p = self.prompt_len
+        start, end = min(self.computed_len, p), min(self.tree_len, p)
+        gained = max(end - start, 0)
+        self.cached_tokens += gained
+        loaded = max(end - max(start, self.tree_len - self.loaded_len), 0)
+        self.host_cached_tokens += min(gained, loaded)
+
     def reset_kv_state(self) -> None:
         """Forget every slot (after retraction or release); the caller has freed them."""
         self.req_pool_idx = None

@@ -244,7 +244,7 @@ class Scheduler:
             return None
         for req in admitted:
             self.cache.assign_row(req)
-            _count_prompt_hits(req)
+            req.count_prompt_hits()
         if adder.new_chunked_req is not None:
             assert self.chunked_req is None, "two chunked requests at once"
             self.chunked_req = adder.new_chunked_req
@@ -386,16 +386,3 @@ class Scheduler:
     def metrics(self) -> dict:
         """Gauges and cumulative counters, named as cluster/metrics.py expects them."""
         return scheduler_metrics(self)
-
-
-def _count_prompt_hits(req: Req) -> None:
-    """Add to ``req.cached_tokens`` the prompt tokens its matched prefix serves that it had not
-    computed itself (a retracted request re-matching its own tokens gains nothing). Only the
-    prompt counts, as in OpenAI's usage: a grammar's forced opening (jump-forward) is output
-    that may already be in the tree. The host-loaded part of the match is its last part."""
-    p = req.prompt_len
-    start, end = min(req.computed_len, p), min(req.tree_len, p)
-    gained = max(end - start, 0)
-    req.cached_tokens += gained
-    loaded = max(end - max(start, req.tree_len - req.loaded_len), 0)
-    req.host_cached_tokens += min(gained, loaded)

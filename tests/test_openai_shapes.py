@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
-from radixray.cluster.detokenizer import (_BYTE_LEVEL_ALPHABET, REPLACEMENT_CHAR, TokenBytes,
+from radixray.cluster.detokenizer import (REPLACEMENT_CHAR, TokenBytes, byte_level_alphabet,
                                           text_offsets)
 from radixray.cluster.http_server import validation_error
 from radixray.cluster.openai_api import ChatCompletionRequest, template_role
@@ -29,12 +29,10 @@ def tok(tiny_llama_path):
     return AutoTokenizer.from_pretrained(tiny_llama_path)
 
 
-def test_the_byte_level_alphabet_is_gpt2s():
-    try:
-        from transformers.convert_slow_tokenizer import bytes_to_unicode
-    except ImportError:  # older transformers
-        from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
-    assert _BYTE_LEVEL_ALPHABET == {c: b for b, c in bytes_to_unicode().items()}
+def test_the_byte_level_alphabet_covers_every_byte_once():
+    alphabet = byte_level_alphabet()
+    assert sorted(alphabet.values()) == list(range(256))
+    assert alphabet["a"] == ord("a") and alphabet["\u0120"] == ord(" ")  # "Ġ" is a space
 
 
 def test_byte_level_token_bytes_join_into_the_text(tok):
