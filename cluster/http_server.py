@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException
 
 from .. import __version__
 from ..router.config import CACHE_EPOCH_HEADER, ERROR_TYPES
-from . import native_api, openai_api
+from . import native_api, openai_api, tokenize_api
 from .engine_protocol import EngineClient
 from .generation import (APIError, ServingContext, bad_request, collect_states,
                          prepare_off_loop_if_large, until_disconnect)
@@ -258,6 +258,23 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
         metrics.update_scheduler_stats({k: v for k, v in stats.items()
                                         if k in GAUGES or k in COUNTERS})
         return Response(generate_latest(registry), media_type=EXPOSITION_CONTENT_TYPE)
+
+    # ------------------------------------------------------------------ tokenizer
+    async def _tokenize(request: Request):
+        body = await parse_body(request, tokenize_api.TokenizeRequest)
+        if body.model is not None:
+            openai_api.check_model(body.model, ctx, args.model_path)
+        return await prepare_off_loop_if_large(request, tokenize_api.tokenize, body, ctx)
+
+    async def _detokenize(request: Request):
+        body = await parse_body(request, tokenize_api.DetokenizeRequest)
+        if body.model is not None:
+            openai_api.check_model(body.model, ctx, args.model_path)
+        return await prepare_off_loop_if_large(request, tokenize_api.detokenize, body, ctx)
+
+    for prefix in ("", "/v1"):
+        app.add_api_route(prefix + "/tokenize", _tokenize, methods=["POST"])
+        app.add_api_route(prefix + "/detokenize", _detokenize, methods=["POST"])
 
     # ------------------------------------------------------------------ generation
     @app.post("/generate")

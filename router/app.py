@@ -39,7 +39,8 @@ log = logging.getLogger("radixray.router")
 
 GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 INFO_ROUTES = ("/get_model_info", "/model_info", "/get_server_info", "/server_info",
-               "/v1/models", "/v1/models/{model:path}", "/health_generate")
+               "/v1/models", "/v1/models/{model:path}", "/health_generate",
+               "/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize")
 
 
 class Router:
