@@ -116,7 +116,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # accepted; the parsers return every call
+    parallel_tool_calls: bool | None = None  # false: at most one call per reply
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,13 +304,16 @@ def tool_plan(body, parser_name: str | None) -> ToolPlan:
     """What a ChatCompletionRequest's tools mean here; 400s name the field."""
     choice = body.tool_choice
     try:
-        return plan_tools([t.model_dump(exclude_none=True) for t in body.tools] if body.tools
+        plan = plan_tools([t.model_dump(exclude_none=True) for t in body.tools] if body.tools
                           else None,
                           choice.model_dump() if isinstance(choice, BaseModel) else choice,
                           parser_name)
     except ValueError as e:
         name = str(e).partition(":")[0]
         raise bad_request(str(e), param=name.split(".")[0].split("[")[0]) from None
+    if body.parallel_tool_calls is False:
+        plan.max_calls = 1
+    return plan
 
 
 def chat_requests(body: ChatCompletionRequest, ctx: ServingContext

@@ -138,7 +138,7 @@ def chat_choice(index: int, state: RequestState, body, tokenizer, plan: ToolPlan
     message = {"role": "assistant", "content": state.text}
     fields = finish_fields(state)
     if plan.parser is not None:
-        content, calls = plan.parser.parse(state.text, plan.names)
+        content, calls = plan.parse(state.text)
         if calls:
             message = {"role": "assistant", "content": content or None,
                        "tool_calls": [c.to_openai() for c in calls]}

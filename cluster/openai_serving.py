@@ -166,7 +166,7 @@ async def _chat_events(ctx, body: oa.ChatCompletionRequest, first, copies, sessi
                 if i not in started:
                     started[i] = 0
                     if plan.parser is not None:
-                        tools[i] = ToolStream(plan.parser, plan.names)
+                        tools[i] = ToolStream(plan.parser, plan.names, plan.max_calls)
                     yield chunk(i, {"role": "assistant", "content": ""}, None, None)
                 if state.finished:
                     finals[i] = state

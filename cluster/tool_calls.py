@@ -13,7 +13,7 @@ the model writes back is parsed into ``tool_calls`` by the parser the server was
 or ``{"type": "function", "function": {"name": ...}}`` constrain decoding (xgrammar) to one
 call in the parser's format, of one of the allowed tools, with arguments that satisfy its
 ``parameters`` schema. A call that names no offered tool, or whose JSON does not parse, stays
-plain text.
+plain text. ``parallel_tool_calls: false`` keeps only the first call of a reply.
 """
 
 from __future__ import annotations
@@ -77,12 +77,27 @@ def _forced(prefix: str, tools: list[dict], args_key: str, suffix: str) -> str:
 
 
 def _call_schema(tools: list[dict], args_key: str) -> str:
-    """JSON schema of one call object of any of ``tools`` (OpenAI tool dicts)."""
-    cases = [{"type": "object", "required": ["name", args_key],
-              "properties": {"name": {"const": t["function"]["name"]},
-                             args_key: t["function"].get("parameters") or ANY_OBJECT}}
-             for t in tools]
-    return json.dumps(cases[0] if len(cases) == 1 else {"anyOf": cases})
+    """JSON schema of one call object of any of ``tools`` (OpenAI tool dicts). Each tool's
+    ``parameters`` goes under ``$defs`` with its references rebased there: a ``#/$defs/Item``
+    of its own (as Pydantic writes them) would otherwise point into this wrapper."""
+    defs, cases = {}, []
+    for i, tool in enumerate(tools):
+        home = f"#/$defs/tool{i}"
+        defs[f"tool{i}"] = _rebase_refs(tool["function"].get("parameters") or ANY_OBJECT, home)
+        cases.append({"type": "object", "required": ["name", args_key],
+                      "properties": {"name": {"const": tool["function"]["name"]},
+                                     args_key: {"$ref": home}}})
+    return json.dumps({**(cases[0] if len(cases) == 1 else {"anyOf": cases}), "$defs": defs})
+
+
+def _rebase_refs(node, home: str):
+    """``node`` with each local ``$ref`` (``#...``) made relative to ``home`` instead."""
+    if isinstance(node, list):
+        return [_rebase_refs(v, home) for v in node]
+    if not isinstance(node, dict):
+        return node
+    return {k: home + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
+            else _rebase_refs(v, home) for k, v in node.items()}
 
 
 class HermesParser(ToolCallParser):
@@ -90,7 +105,9 @@ class HermesParser(ToolCallParser):
     _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
     def parse(self, text, names):
-        calls = []
+        """Content is the text around the calls: before the first (as streamed), and any
+        text after or between them, including blocks that are not calls of offered tools."""
+        calls, pieces, pos = [], [], 0
         for block in self._BLOCK.finditer(text):
             try:
                 call = _call(json.loads(block.group(1)), names, "arguments")
@@ -98,9 +115,12 @@ class HermesParser(ToolCallParser):
                 call = None
             if call is not None:
                 calls.append(call)
+                pieces.append(text[pos:block.start()])
+                pos = block.end()
         if not calls:
             return text, []
-        return text[:text.index(self.START)].rstrip(), calls
+        rest = [p.strip() for p in pieces[1:] + [text[pos:]]]
+        return "\n".join([pieces[0].rstrip(), *(p for p in rest if p)]).strip("\n"), calls
 
     def content_end(self, text):
         start = text.find(self.START)
@@ -151,8 +171,8 @@ class ToolStream:
     """Turns a streamed reply (its cumulative released text) into content deltas, and at the
     end into either the rest of the content or the tool calls."""
 
-    def __init__(self, parser: ToolCallParser, names: set[str]):
-        self.parser, self.names = parser, names
+    def __init__(self, parser: ToolCallParser, names: set[str], max_calls: int | None = None):
+        self.parser, self.names, self.max_calls = parser, names, max_calls
         self.sent = 0  # characters of content sent
 
     def update(self, text: str) -> str:
@@ -166,7 +186,7 @@ class ToolStream:
         content, calls = self.parser.parse(text, self.names)
         rest = content[self.sent:] if content.startswith(text[:self.sent]) else ""
         self.sent = len(content)
-        return rest, calls
+        return rest, calls[:self.max_calls]
 
 
 # --------------------------------------------------------------------------------- requests
@@ -231,6 +251,12 @@ class ToolPlan:
     parser: ToolCallParser | None = None  # None: the reply is plain content
     names: frozenset[str] = frozenset()
     forced_ebnf: str | None = None  # tool_choice required / named: the one call to decode
+    max_calls: int | None = None  # 1 with parallel_tool_calls false: later calls are dropped
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """A finished reply's content and calls (``parser`` must be set)."""
+        content, calls = self.parser.parse(text, self.names)
+        return content, calls[:self.max_calls]
 
 
 def plan_tools(tools: list[dict] | None, tool_choice, parser_name: str | None) -> ToolPlan:

@@ -24,7 +24,7 @@ calls each one from a one-line hook):
 6. Retraction: the request keeps its output tokens and gets a matcher re-created from them.
 
 Jump-forward is skipped for requests that want logprobs (the forced tokens have none) or have
-stop strings (forced text is not searched for them). The scheduler does not overlap batches
+stop strings or stop token ids (forced text is not searched for them). The scheduler does not overlap batches
 while a constrained request runs: batch N+1's mask needs batch N's tokens accepted.
 """
 
@@ -115,6 +115,12 @@ class ConstrainedDecoding:
                 done.append((req, []))
                 continue
             req.grammar = self.backend.new_state(compiled, req.output_ids)
+            if req.grammar.allows_nothing():  # an empty language: [^\s\S]
+                req.finish_reason = FinishReason.abort(
+                    f"{req.sampling_params.constraint[0]}: no text satisfies the grammar",
+                    status_code=400)
+                done.append((req, []))
+                continue
             done.append((req, self._jump(req)))
         self.queue = pending
         return done
@@ -125,7 +131,15 @@ class ConstrainedDecoding:
         None when it has none). Matchers unchanged."""
         states = [r.grammar for r in batch.reqs]
         if any(s is not None for s in states):
-            batch.forward_batch.vocab_mask = self.fill(states)
+            mask = batch.forward_batch.vocab_mask = self.fill(states)
+            for i, req in enumerate(batch.reqs):
+                if states[i] is not None and not bool(mask[i].any()):
+                    # A dead end the grammar let the model into: the sampler cannot draw
+                    # from an empty row, so let it draw anything and end the request after
+                    # this step (on_token does not feed that token to the matcher).
+                    mask[i] = -1
+                    req.to_abort = (f"{req.sampling_params.constraint[0]}: the grammar "
+                                    "allows no further token")
 
     def on_token(self, req: Req) -> list[int]:
         """``req``'s newest output token was just sampled (under its mask). Accept it into the
@@ -135,6 +149,8 @@ class ConstrainedDecoding:
         matcher."""
         state, out = req.grammar, req.output_ids
         start, token = len(out) - 1, out[-1]
+        if req.to_abort is not None:  # its row was a dead end (fill_mask): ends this step
+            return out[start:]
         if not state.accept(token):  # only if the mask was not applied: a worker bug
             req.finish_reason = FinishReason.abort(
                 f"{req.sampling_params.constraint[0]}: sampled token {token} is not allowed "
@@ -143,6 +159,8 @@ class ConstrainedDecoding:
             req.finish_reason = FinishReason.stop(token)
         if not req.finished:
             self._jump(req)
+            if state.is_terminated() and not req.finished:  # a jump ended in a stop token
+                req.finish_reason = FinishReason.stop(out[-1])
         return out[start:]
 
     def on_retract(self, reqs: list[Req]) -> None:
@@ -155,7 +173,7 @@ class ConstrainedDecoding:
     def _may_jump(self, req: Req) -> bool:
         sp = req.sampling_params
         return (self.jump_forward and not req.return_logprob and not sp.stop
-                and not sp.stop_regex
+                and not sp.stop_regex and not sp.stop_token_ids
                 and req.to_abort is None and req.remaining_new_tokens() > 1)
 
     def _jump(self, req: Req) -> list[int]:

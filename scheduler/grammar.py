@@ -28,6 +28,7 @@ from typing import Sequence
 
 import xgrammar as xgr
 
+from .grammar_check import unfinishable_rule
 from .grammar_state import GrammarState, GrammarVocab
 
 KINDS = ("json_schema", "regex", "ebnf")
@@ -108,9 +109,14 @@ def validate_grammar(kind: str, text) -> None:
 @functools.lru_cache(maxsize=1024)
 def _parse_problem(kind: str, text: str) -> str | None:
     try:
-        _grammar(kind, text)
+        grammar = _grammar(kind, text)
     except Exception as exc:  # xgrammar raises RuntimeError and its own subclasses
         return _problem(exc)
+    rule = unfinishable_rule(str(grammar))
+    if rule is not None:  # jump-forward would follow it forever; no output could complete
+        what = "root" if rule == "root" else f"its rule {rule!r}"
+        return (f"no finite text satisfies {what} (it recurses without end); "
+                "such a grammar can never complete")
     return None
 
 

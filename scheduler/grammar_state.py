@@ -132,6 +132,14 @@ class GrammarState:
         """True once a stop token (EOS) was accepted: the request is done."""
         return self.matcher.is_terminated()
 
+    def allows_nothing(self) -> bool:
+        """True when no token may follow (and the grammar is not done): an empty language."""
+        if self.matcher.is_terminated():
+            return False
+        mask = allocate_vocab_mask(1, self.vocab.vocab_size)
+        self.fill_mask(mask, 0)
+        return not bool(_bits(mask[0], torch.arange(self.vocab.vocab_size)).any())
+
     def only_stop_allowed(self) -> bool:
         """True when the grammar is complete and only a stop token may follow, so the request
         could finish without another forward pass. Costs one mask fill."""
@@ -176,9 +184,11 @@ class GrammarState:
                     forced: str) -> Jump | None:
         while forced:
             text = tail_text + forced
-            new = tokenizer.encode(text, add_special_tokens=False)
+            new = _encode_plain(tokenizer, text)
             if _decode(tokenizer, new) != text:  # a normalizer changed the text
                 return None
+            if any(t in self.vocab.stop_ids or t in self.vocab.banned_ids for t in new):
+                return None  # forced text is ordinary text, never a special token
             keep = _common_prefix(tail, new)
             retracted, body, last = tail[keep:], new[keep:-1], new[-1]
             if not self._swap(len(retracted), body):
@@ -218,6 +228,15 @@ class GrammarState:
         mask = allocate_vocab_mask(1, self.vocab.vocab_size)
         self.fill_mask(mask, 0)
         return bool(_bits(mask[0], ext).any())
+
+
+def _encode_plain(tokenizer, text: str) -> list[int]:
+    """``text`` as ordinary text: a forced ``<|eos|>`` is seven characters the grammar asked
+    for, not the EOS token (which would end the request mid-grammar)."""
+    try:
+        return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+    except TypeError:  # a tokenizer without the option; the special-id check still holds
+        return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _decode(tokenizer, ids: Sequence[int]) -> str:

@@ -31,6 +31,11 @@ NAMES = {"get_weather", "get_time"}
      '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>', "",
      [("get_time", {"zone": "UTC"}), ("get_weather", {})]),
     ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', None, []),  # not offered
+    ('Sure.\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\nDone, and more.',
+     "Sure.\nDone, and more.", [("get_time", {})]),  # text after a call stays content
+    ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>\n<tool_call>{"name": '
+     '"get_time", "arguments": {}}</tool_call>',  # a block that is no call stays text
+     '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', [("get_time", {})]),
     ('<tool_call>{"name": "get_time", "arguments": {</tool_call>', None, []),  # bad JSON
     ("just text, <tool_ no call", None, []),
 ])
@@ -57,6 +62,7 @@ def test_llama3_parser(text, calls):
     (HermesParser(), 'Checking <tool> tags first.  \n<tool_call>\n{"name": "get_time", '
                      '"arguments": {"zone": "UTC"}}\n</tool_call>'),
     (HermesParser(), "No call here, only a <tool_ that never completes."),
+    (HermesParser(), 'Hi <tool_call>{"name": "get_time", "arguments": {}}</tool_call> bye'),
     (Llama3JsonParser(), '  {"name": "get_time", "parameters": {"zone": "UTC"}}'),
     (Llama3JsonParser(), "Plain answer {with braces}."),
 ])
@@ -93,6 +99,42 @@ def test_plans():
     assert auto.template_tools == [WEATHER] and auto.forced_ebnf is None
     assert plan_tools([WEATHER], "auto", None).parser is None  # shown, replies stay text
     assert "get_weather" in plan_tools([WEATHER, TIME], "required", "llama3").forced_ebnf
+
+
+def test_at_most_one_call_without_parallel_calls():
+    text = ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n'
+            '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>')
+    plan = plan_tools([WEATHER, TIME], "auto", "qwen25")
+    assert [c.name for c in plan.parse(text)[1]] == ["get_time", "get_weather"]
+    plan.max_calls = 1
+    assert [c.name for c in plan.parse(text)[1]] == ["get_time"]
+    stream = ToolStream(plan.parser, plan.names, plan.max_calls)
+    assert [c.name for c in stream.finish(text)[1]] == ["get_time"]
+
+
+@pytest.mark.parametrize("parser,call", [
+    ("qwen25", '<tool_call>\n{"name": "order", "arguments": {"item": {"sku": "a1", '
+               '"parts": [{"sku": "b", "parts": []}]}, "qty": 2}}\n</tool_call>'),
+    ("llama3", '{"name": "order", "parameters": {"item": {"sku": "z", "parts": []}, "qty": 1}}'),
+])
+def test_forced_call_keeps_the_tools_own_references(parser, call):
+    """Pydantic writes nested models as ``$defs`` and ``#/$defs/...`` references (recursive
+    here); forcing a call of such a tool must resolve them against the tool's parameters."""
+    import xgrammar as xgr
+
+    item = {"type": "object", "required": ["sku", "parts"], "properties": {
+        "sku": {"type": "string"}, "parts": {"type": "array",
+                                             "items": {"$ref": "#/$defs/Item"}}}}
+    order = {"type": "function", "function": {"name": "order", "parameters": {
+        "type": "object", "required": ["item", "qty"], "$defs": {"Item": item},
+        "properties": {"item": {"$ref": "#/$defs/Item"}, "qty": {"type": "integer"}}}}}
+    for tools in ([order], [order, TIME]):
+        ebnf = plan_tools(tools, "required", parser).forced_ebnf
+        chars = xgr.TokenizerInfo([chr(i) for i in range(32, 127)] + ["\n"])
+        matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(chars).compile_grammar(ebnf))
+        assert matcher.accept_string(call) and matcher.is_completed()
+        assert not xgr.GrammarMatcher(xgr.GrammarCompiler(chars).compile_grammar(ebnf)) \
+            .accept_string(call.replace('"sku": "a1"', '"sku": 5').replace('"z"', "7"))
 
 
 # ---------------------------------------------------------------- through the server
