@@ -75,6 +75,9 @@ class InProcessEngine:
         return engine
 
     def start(self) -> None:
+        """Start the scheduler thread (``from_model`` already did); only one may ever run."""
+        if self._thread is not None:
+            raise RuntimeError("engine already started: two threads would step one scheduler")
         self._thread = threading.Thread(target=self._run, name="radixray-engine", daemon=True)
         self._thread.start()
 

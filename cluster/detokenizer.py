@@ -39,9 +39,12 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True,
                  stop: list[str] | None = None, no_stop_trim: bool = False,
-                 stop_regex: list[str] | None = None):
+                 stop_regex: list[str] | None = None,
+                 spaces_between_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # honoured by slow (Python) tokenizers; fast ones never add such spaces
+        self.spaces_between_special_tokens = spaces_between_special_tokens
         self.stop = [s for s in (stop or []) if s]
         self.stop_regex = list(stop_regex or [])
         self.no_stop_trim = no_stop_trim
@@ -53,7 +56,9 @@ class IncrementalDetokenizer:
         self._read = 0  # ids[:read] are in _decoded
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens)
 
     def add(self, token_ids: list[int]) -> str:
         """Append ``token_ids``; return the text that is now safe to send (may be "")."""

@@ -208,7 +208,9 @@ class Engine:
     def _result(self, req: Req, c: _Collected, text_in_logprobs: bool) -> dict:
         sp, reason = req.sampling_params, c.last.finish_reason
         shown = visible_output_ids(c.output_ids, reason, sp.no_stop_trim)
-        text = self.tokenizer.decode(shown, skip_special_tokens=sp.skip_special_tokens)
+        text = self.tokenizer.decode(
+            shown, skip_special_tokens=sp.skip_special_tokens,
+            spaces_between_special_tokens=sp.spaces_between_special_tokens)
         meta = {
             "id": req.rid,
             "prompt_tokens": c.last.prompt_tokens,

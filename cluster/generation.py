@@ -224,7 +224,8 @@ async def run_request(ctx: ServingContext, req: GenerateRequest,
     sp = req.sampling_params
     state = RequestState(req, IncrementalDetokenizer(
         ctx.tokenizer, skip_special_tokens=sp.skip_special_tokens, stop=sp.stop,
-        no_stop_trim=sp.no_stop_trim, stop_regex=sp.stop_regex))
+        no_stop_trim=sp.no_stop_trim, stop_regex=sp.stop_regex,
+        spaces_between_special_tokens=sp.spaces_between_special_tokens))
     if req.rid in ctx.aborted:  # aborted while it waited for its warm-up: never submitted
         ctx.waiting.discard(req.rid)
         state.prompt_tokens = len(req.input_ids)

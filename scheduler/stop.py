@@ -1,10 +1,14 @@
 """When a request is done: length limits, EOS, stop token ids, stop strings and stop regexes.
 
 Stop strings are matched on text, and a stop string may span several tokens, so the check
-decodes the tail of the output: ``max stop-string length + 1`` tokens cover any stop string
-that ends in the newest token, as long as each token decodes to at least one character. A stop
-regex (``stop_regex``, searched with the ``regex`` module) gets the same window from the
-longest text it can match; one without a bound (``\\d+``, ``.*``) searches the whole output.
+decodes the tail of the output: ``UTF-8 bytes of the longest stop string + 1`` tokens cover
+any stop string that ends in the newest token, since every token holds at least one byte
+(byte-level BPE splits ``→`` into three). A stop regex (``stop_regex``, searched with the
+``regex`` module) gets the same window from the longest text it can match, at 4 bytes per
+character; one without a bound (``\\d+``, ``.*``) searches the whole output.
+``min_new_tokens`` holds off EOS and ``stop_token_ids`` (the sampler masks them), not stop
+strings or regexes, as in SGLang: the HTTP detokenizer matches those on the text from its
+first token, and so does this check.
 ``trim_stop_text`` removes the matched stop from the text a client sees (unless
 ``no_stop_trim``); the token ids are kept as generated.
 """
@@ -84,21 +88,20 @@ class StopChecker:
             return FinishReason.of_length(len(out))
         if self.max_context_len is not None and req.total_len >= self.max_context_len:
             return FinishReason.of_length(len(out))
-        if len(out) < sp.min_new_tokens:
-            return None
         last = out[-1]
-        if last in sp.stop_token_ids or (not sp.ignore_eos and last in self.eos_token_ids):
+        if len(out) >= sp.min_new_tokens and (
+                last in sp.stop_token_ids or (not sp.ignore_eos and last in self.eos_token_ids)):
             return FinishReason.stop(last)
         if (sp.stop or sp.stop_regex) and self.decode is None:
             raise ValueError("stop: stop strings need a tokenizer to decode with")
         if sp.stop:
-            tail = self.decode(out[-(max(len(s) for s in sp.stop) + 1):])
+            tail = self.decode(out[-(max(len(s.encode()) for s in sp.stop) + 1):])
             for s in sp.stop:
                 if s in tail:
                     return FinishReason.stop(s)
         if sp.stop_regex:
             widths = [stop_regex_width(p) for p in sp.stop_regex]
-            tail = self.decode(out if None in widths else out[-(max(widths) + 1):])
+            tail = self.decode(out if None in widths else out[-(4 * max(widths) + 1):])
             for p in sp.stop_regex:
                 if compile_stop_regex(p).search(tail):
                     return FinishReason.stop(p)

@@ -49,9 +49,8 @@ def test_the_check_stops_at_the_token_that_completes_a_match(pattern, ids, stops
     assert first_stop(pattern, ids) == stops_at
 
 
-def test_min_new_tokens_delays_the_check():
-    assert first_stop("c", [0, 1, 2, 3], min_new_tokens=4) is None  # 'c' left the window
-    assert first_stop("c", [0, 1, 2, 3, 1], min_new_tokens=4) == 4
+def test_min_new_tokens_does_not_delay_a_regex():
+    assert first_stop("c", [0, 1, 2, 3], min_new_tokens=4) == 1
 
 
 def test_text_is_cut_where_the_regex_first_matches():
@@ -77,3 +76,46 @@ def test_find_stop_takes_the_earliest_string_or_regex_and_partial_matches_hold_b
 def test_bad_patterns_are_rejected_naming_the_field(pattern, error):
     with pytest.raises(ValueError, match=f"^stop_regex: .*{error}"):
         SamplingParams(stop_regex=[pattern]).verify()
+
+
+# ---------------------------------------------------------------- multi-byte stops
+BYTES = [b"x", "→".encode()[:1], "→".encode()[1:2], "→".encode()[2:], b"y", b"\xc3", b"\xa9"]
+
+
+def byte_decode(ids):
+    """A byte-level vocabulary (as BPE's): one character may take several tokens."""
+    return b"".join(BYTES[t] for t in ids).decode(errors="replace")
+
+
+@pytest.mark.parametrize("params", [{"stop": ["→"]}, {"stop_regex": ["→"]},
+                                    {"stop": ["éé"]}, {"stop_regex": [r"y(é|→)"]}])
+def test_stops_made_of_multi_byte_characters(params):
+    """"→" is three tokens here: the window must count the stop's bytes, not characters."""
+    ids = [0, 1, 2, 3, 4] if "→" in str(params) and "y(" not in str(params) else (
+        [0, 5, 6, 5, 6, 4] if "éé" in str(params) else [0, 4, 1, 2, 3])
+    checker = StopChecker(decode=byte_decode)
+    r = Req("r", [0], SamplingParams(max_new_tokens=100, **params))
+    stopped = None
+    for i, t in enumerate(ids):
+        r.output_ids.append(t)
+        if checker.check(r) is not None:
+            stopped = i
+            break
+    matched = (params.get("stop") or params["stop_regex"])[0]
+    assert stopped == {"→": 3, "éé": 4, "y(é|→)": 4}[matched]
+    assert checker.check(r) == FinishReason.stop(matched)
+
+
+def test_min_new_tokens_holds_off_tokens_not_strings():
+    """SGLang's rule: min_new_tokens masks EOS and stop_token_ids; stop strings match from
+    the first token, so the scheduler agrees with the HTTP detokenizer and the trimmed text."""
+    checker = StopChecker(eos_token_ids=[9], decode=piece_decode)
+    r = Req("r", [0], SamplingParams(max_new_tokens=100, min_new_tokens=5, stop=["c"],
+                                     stop_token_ids=[6]))
+    r.output_ids += [0, 1]
+    assert checker.check(r) == FinishReason.stop("c")
+    r = Req("r", [0], SamplingParams(max_new_tokens=100, min_new_tokens=5, stop_token_ids=[6]))
+    r.output_ids += [0, 6]
+    assert checker.check(r) is None
+    r.output_ids += [0, 0, 6]
+    assert checker.check(r) == FinishReason.stop(6)

@@ -19,7 +19,10 @@ seeded by ``(seed, output_lens[i])`` alone, so its tokens do not depend on its b
 unseeded rows share the sampler's own generator.
 
 Logprobs are always those of the model's raw distribution ``log_softmax(logits)``, before any
-step above, as SGLang reports them.
+step above (temperature, penalties, bias, grammar mask), so they compare across requests and
+with the model itself. SGLang by default reports them after those steps instead (its
+``SGLANG_RETURN_ORIGINAL_LOGPROB`` gives raw ones); at temperature 0 or 1 with no penalties,
+bias or grammar the two agree.
 
 On a GPU a sampling step never waits for the device: every decision (which filters run, how
 many candidates to rank) is taken from the host-side parameters, and host values reach the
