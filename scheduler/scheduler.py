@@ -197,7 +197,7 @@ class Scheduler:
 
     def _reap_aborted(self) -> None:
         for req in [*self.running, self.chunked_req]:
-            if req is not None and req.to_abort is not None:
+            if req is not None and req.to_abort is not None and not req.finished:
                 req.finish_reason = FinishReason.abort(req.to_abort)
                 self._emit(req, [])
                 self._retire(req)
@@ -341,8 +341,8 @@ class Scheduler:
         for req in batch.reqs:
             if req.finished and id(req) not in already_done:
                 self._retire(req)
-        if batch.decode:
-            self.running = [r for r in self.running if not r.finished]
+        # a prefill merged into running under overlap may have finished on its first token
+        self.running = [r for r in self.running if not r.finished]
 
     def _settle_copies(self, ticket, output: ForwardOutput) -> None:
         """Apply the worker's verdict on a batch's tier copies; requests whose load it settled

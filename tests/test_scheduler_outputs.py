@@ -213,3 +213,32 @@ def test_metrics_snapshot_names_and_values():
     assert m["prompt_tokens_total"] == 128 and m["num_running_reqs"] == 0
     assert 0 < m["cached_tokens_total"] < 128 and 0 <= m["token_usage"] <= 1
     assert m["kv_available_tokens"] + m["kv_evictable_tokens"] == sched.cache.pool_size
+
+
+def test_an_abort_while_the_prefill_is_in_flight_finishes_once():
+    """Under overlap the aborted request's prefill is merged into running before its token
+    comes back; it must get one finished output and count once (it used to get a second,
+    empty abort output and be counted twice)."""
+    sched, _ = make()
+    sched.add_request(req("a", list(range(10))))
+    outputs = sched.step()  # a's prefill is submitted (in flight under overlap)
+    sched.add_request(req("b", list(range(100, 110))))
+    assert sched.abort("a")
+    results = run(sched, results=collect({}, outputs))
+    finished = [o for o in results["a"].outputs if o.finished]
+    assert len(finished) == 1 and finished[0].finish_reason.type == "abort"
+    assert sched.stats.num_finished == 2 and sched.stats.num_aborted == 1
+
+
+def test_a_request_done_on_its_first_token_leaves_the_running_set():
+    sched, _ = make()
+    sched.add_request(req("a", list(range(10)), 1))
+    sched.add_request(req("b", list(range(100, 110)), 10))
+    for _ in range(4):
+        sched.step()
+        if "a" not in sched.live:
+            break
+    assert "a" not in sched.live
+    assert "a" not in [r.rid for r in sched.running]
+    assert sched.metrics()["num_running_reqs"] == len(sched.running) <= 1
+    run(sched)
