@@ -45,6 +45,7 @@ NAMESPACE = "radixray"
 ACTOR_PREFIX = "replica:"
 SUPERVISE_INTERVAL_S = 0.5
 PLACEMENT_TIMEOUT_S = 300.0  # how long a replica waits for a node with room for its ranks
+START_TIMEOUT_S = 1800.0  # loading the model on every rank and binding; then it failed
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
@@ -57,19 +58,27 @@ def advertised_url(bind_host: str, port: int, node_ip: str) -> str:
     return f"http://{host}:{port}"
 
 
+def port_is_free(host: str, port: int) -> bool:
+    """Can a server listen on ``host:port`` now (as uvicorn binds it)?"""
+    return _binds(host, port)
+
+
+def _binds(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        # as uvicorn binds: a dead predecessor's connections in TIME_WAIT do not count
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
 def bindable_port(host: str, preferred: int, tries: int = 64) -> int:
     """``preferred`` if a server can listen on it at ``host`` now, else the next port up that
     can; ``preferred`` again if none of ``tries`` can (the bind then fails loudly)."""
-    for candidate in range(preferred, min(preferred + tries, 65536)):
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-            # as uvicorn binds: a dead predecessor's connections in TIME_WAIT do not count
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((host, candidate))
-            except OSError:
-                continue
-            return candidate
-    return preferred
+    return next((candidate for candidate in range(preferred, min(preferred + tries, 65536))
+                 if _binds(host, candidate)), preferred)
 
 
 def replica_actor_options(replica_id: str, node_id: str) -> dict:
@@ -195,7 +204,7 @@ class ReplicaServer:
             n = remove_placement_groups(self.pg_prefix)  # the dead head's; its ranks died with it
             log.warning("replica %s: head restarted by Ray; removed %d placement group(s) of "
                         "its predecessor", replica_id, n)
-        self._start_engine()
+        # The port first: a taken one must fail the replica before it loads its ranks.
         self.host, self.port = host, port or free_port()
         if restarted and port:
             # Ray may restart the head on another node (its own died), where with the per-node
@@ -205,23 +214,38 @@ class ReplicaServer:
             if self.port != port:
                 log.warning("replica %s: port %d is taken on this node; serving on %d",
                             replica_id, port, self.port)
+        elif not port_is_free(host, self.port):
+            raise RuntimeError(f"replica {replica_id}: port {self.port} is already in use on "
+                               f"{host} (another radixray serve?); pick other ports")
         self.url = advertised_url(host, self.port, ray.util.get_node_ip_address())
-        http = ServerArgs(model_path=model_path, host=host, port=self.port, replica=replica_id,
-                          extra=self.server_args, **(http_args or {}))
-        app = RestartGate(create_app(self.engine, self.tokenizer, http), self.engine)
-        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port,
-                                                     log_level="warning"))
-        threading.Thread(target=self._server.run, name="replica-http", daemon=True).start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"replica {replica_id}: HTTP server did not start on "
-                                   f"{host}:{self.port}")
-            time.sleep(0.02)
         self._stop = threading.Event()
+        self._start_engine()
+        try:
+            self._serve_http(ServerArgs(model_path=model_path, host=host, port=self.port,
+                                        replica=replica_id, extra=self.server_args,
+                                        **(http_args or {})), create_app, uvicorn)
+        except BaseException:
+            self._stop.set()  # the ranks' watch would keep this dead actor's process alive
+            self.engine.current.shutdown()
+            self.group.shutdown()
+            raise
         threading.Thread(target=self._supervise, name="replica-supervisor", daemon=True).start()
 
     # ------------------------------------------------------------------ lifecycle
+    def _serve_http(self, http, create_app, uvicorn) -> None:
+        """Serve the app on a thread; return once it listens (raise if it cannot)."""
+        app = RestartGate(create_app(self.engine, self.tokenizer, http), self.engine)
+        self._server = uvicorn.Server(uvicorn.Config(app, host=self.host, port=self.port,
+                                                     log_level="warning"))
+        thread = threading.Thread(target=self._server.run, name="replica-http", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError(f"replica {self.replica_id}: HTTP server did not start on "
+                                   f"{self.host}:{self.port}")
+            time.sleep(0.02)
+
     def _start_engine(self) -> None:
         """Start ranks, scheduler and scheduler thread; then point the HTTP app at them."""
         group = WorkerGroup(self.runner_cfg, self.tp_size, step_timeout_s=self.step_timeout_s,
@@ -354,7 +378,7 @@ def start_replica(replica_id: str, model_path: str, server_args: dict, tp_size: 
         replica_id, model_path, {**server_args, "device": device}, tp_size, host, port,
         http_args, step_timeout_s, pg)
     try:
-        ray.get(actor.get_url.remote())
+        ray.get(actor.get_url.remote(), timeout=START_TIMEOUT_S)
     except Exception:  # leave nothing behind: no head, no reserved bundles
         ray.kill(actor)
         remove_placement_group(pg)

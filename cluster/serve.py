@@ -168,6 +168,16 @@ def _die_with_parent():
     return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
+def missing_resources(cluster: dict, device: str, ranks: int) -> str | None:
+    """What ``ranks`` ranks on ``device`` need beyond ``cluster``'s total resources (as
+    ``ray.cluster_resources()``), as "4 CPU" ; None if they fit."""
+    from .worker_group import rank_bundle
+
+    need = {k: v * ranks for k, v in rank_bundle(device).items()}
+    short = [f"{need[k]:g} {k}" for k in sorted(need) if cluster.get(k, 0) < need[k]]
+    return ", ".join(short) or None
+
+
 def server_args_from(args: argparse.Namespace) -> dict:
     """The engine's server arguments (SGLang names) from parsed flags."""
     server_args = {name: getattr(args, name) for name in _SCHEDULER_FLAGS}
@@ -184,7 +194,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from ..scheduler.config import SchedulerConfig
     from ..worker.make_model import ensure_default_model
     from .engine import split_server_args
-    from .replica import NAMESPACE, reserve_replica_ranks, start_replica
+    from .replica import NAMESPACE, port_is_free, reserve_replica_ranks, start_replica
     from .worker_group import resolve_device
 
     model_path = args.model_path
@@ -210,14 +220,34 @@ def run_serve(args: argparse.Namespace) -> int:
     base_port = args.replica_base_port or args.port + 1
     # A wildcard host binds every interface; each replica then advertises its node's IP.
     replica_host = "127.0.0.1" if args.host in ("127.0.0.1", "localhost") else args.host
-    ray.init(address=args.ray_address or "local", namespace=NAMESPACE,
-             include_dashboard=False, log_to_driver=False)
+    if not port_is_free(args.host, args.port):  # before minutes of start-up, not after
+        print(f"radixray serve: error: port {args.port} is already in use on {args.host}",
+              file=sys.stderr)
+        return 1
+    stopping = []
+
+    def stop(*_):  # from here on a SIGTERM (Kubernetes, systemd) ends serve through finally
+        stopping.append(True)
+        if router is None:
+            raise KeyboardInterrupt
+        router.terminate()
+
     replicas, router = [], None
+    signal.signal(signal.SIGTERM, stop)
     try:
+        ray.init(address=args.ray_address or "local", namespace=NAMESPACE,
+                 include_dashboard=False, log_to_driver=False)
+        signal.signal(signal.SIGTERM, stop)  # again: ray.init installs its own
         gpus = ray.cluster_resources().get("GPU", 0)
         server_args["device"] = resolve_device(args.device, gpus)
         print(f"radixray serve: device {server_args['device']} (--device {args.device}; the Ray "
               f"cluster has {gpus:g} GPU(s) now)", flush=True)
+        short = missing_resources(ray.cluster_resources(), server_args["device"],
+                                  args.tp_size * args.replicas)
+        if short and args.ray_address is None:  # a local cluster never grows: fail now
+            raise RuntimeError(f"{args.replicas} replica(s) x {args.tp_size} rank(s) need "
+                               f"{short}; this machine's Ray cluster has less (lower "
+                               "--tp-size or --replicas, or start Ray with more resources)")
         nodes = []  # of the replicas started so far
         for i in range(args.replicas):
             reserved = reserve_replica_ranks(str(i), server_args, args.tp_size)
@@ -228,25 +258,23 @@ def run_serve(args: argparse.Namespace) -> int:
                                           reserved=reserved))
         urls = ray.get([r.get_url.remote() for r in replicas])
         print(f"radixray: {len(urls)} replica(s) ready: {' '.join(urls)}", flush=True)
+        # The router starts with the replicas' URLs and also watches Ray: a head that Ray
+        # restarts where its port is taken serves on another one, which discovery adds.
         router = subprocess.Popen([
             sys.executable, "-m", "radixray.router", "--host", args.host, "--port",
-            str(args.port), "--policy", args.router_policy, "--worker-urls", *urls],
+            str(args.port), "--policy", args.router_policy, "--worker-urls", *urls,
+            "--ray-address", ray.get_runtime_context().gcs_address],
             preexec_fn=_die_with_parent(), env=router_env(args.api_key))
         print(f"radixray serving {args.served_model_name or model_path} at "
               f"http://{args.host}:{args.port} (router; OpenAI API under /v1, SGLang native "
               f"POST /generate)", flush=True)
-        stopping = []
-
-        def stop(*_):
-            stopping.append(True)
-            router.terminate()
-
-        signal.signal(signal.SIGTERM, stop)
         try:
             code = router.wait()
         except KeyboardInterrupt:
             return 0
         return 0 if stopping else code  # a router we stopped exits by the signal
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM while starting
+        return 0
     except Exception as e:
         print(f"radixray serve: error: {e}", file=sys.stderr)
         return 1

@@ -21,6 +21,8 @@ from ..worker.forward_batch import ForwardBatch, ForwardOutput, pack_batch, unpa
 from ..worker.host_copy import to_device
 from ..worker.model_runner import ModelRunner, RunnerConfig
 
+CHANNEL_TIMEOUT = timedelta(days=30)  # how long a peer may wait for the next batch
+
 
 def is_gpu_device(device: str) -> bool:
     """"cuda" or "cuda:N": the ranks need a GPU each. (Under Ray a rank sees only the GPU Ray
@@ -46,10 +48,11 @@ class BatchChannel:
 
     HEADER = 8
 
-    def __init__(self, device: str | torch.device = "cpu", capacity: int = 64 * 1024):
+    def __init__(self, device: str | torch.device = "cpu", capacity: int = 64 * 1024,
+                 group=None):
         if capacity <= self.HEADER:
             raise ValueError(f"capacity: must exceed {self.HEADER} bytes, got {capacity}")
-        self.capacity, self.device = capacity, torch.device(device)
+        self.capacity, self.device, self.group = capacity, torch.device(device), group
         self.buf = torch.zeros(capacity, dtype=torch.uint8, device=self.device)
 
     def send(self, batch: ForwardBatch | None) -> None:
@@ -62,13 +65,13 @@ class BatchChannel:
         message = torch.cat([torch.tensor([n], dtype=torch.int64).view(torch.uint8),
                              payload[:head]])
         self.buf[:message.numel()].copy_(to_device(message, self.device))
-        dist.broadcast(self.buf, src=0)
+        dist.broadcast(self.buf, src=0, group=self.group)
         if n > head:
-            dist.broadcast(to_device(payload[head:], self.device), src=0)
+            dist.broadcast(to_device(payload[head:], self.device), src=0, group=self.group)
 
     def recv(self) -> ForwardBatch | None:
         """Peers: wait for rank 0's next message; None for the stop message."""
-        dist.broadcast(self.buf, src=0)
+        dist.broadcast(self.buf, src=0, group=self.group)
         n = int(self.buf[:self.HEADER].view(torch.int64).item())
         if n == 0:
             return None
@@ -76,7 +79,7 @@ class BatchChannel:
         payload = self.buf[self.HEADER:self.HEADER + head]
         if n > head:
             rest = torch.empty(n - head, dtype=torch.uint8, device=self.device)
-            dist.broadcast(rest, src=0)
+            dist.broadcast(rest, src=0, group=self.group)
             payload = torch.cat([payload, rest])
         return unpack_batch(payload)  # copies: the buffer is reused by the next recv
 
@@ -114,7 +117,13 @@ class TPWorker:
             dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
                                     rank=self.rank, world_size=self.tp_size,
                                     timeout=timedelta(seconds=timeout_s))
-            self.channel = BatchChannel("cuda" if backend == "nccl" else "cpu")
+            # Peers wait in the channel's broadcast for as long as the replica is idle; under
+            # the group's timeout an idle minute would kill them. A hung step is caught by the
+            # step timeout on rank 0 instead.
+            idle_group = dist.new_group(list(range(self.tp_size)), backend=backend,
+                                        timeout=CHANNEL_TIMEOUT)
+            self.channel = BatchChannel("cuda" if backend == "nccl" else "cpu",
+                                        group=idle_group)
         self.runner = ModelRunner(cfg)
         mc = self.runner.model_config
         return {"max_total_tokens": self.runner.max_total_tokens,

@@ -92,3 +92,42 @@ def test_serve_without_model_uses_the_default_model(tiny_llama_path, tmp_path):
         finally:
             proc.kill()
     assert code == 0
+
+
+def _serve(args, env=None, timeout=180):
+    return subprocess.run([sys.executable, "-m", "radixray.cluster.cli", "serve", *args],
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def test_a_taken_router_port_fails_before_anything_starts(tiny_llama_path):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        started = time.monotonic()
+        r = _serve(["--model", tiny_llama_path, "--port", str(held.getsockname()[1])])
+    assert r.returncode == 1 and "already in use" in r.stderr, r.stderr
+    assert "serving" not in r.stdout and time.monotonic() - started < 60
+
+
+def test_a_taken_replica_port_fails_serve_instead_of_hanging(tiny_llama_path):
+    """The replica checks its port before loading its ranks, and a replica that fails takes its
+    ranks down with it (their pending watch kept the dead head's process alive, and serve
+    waited for it forever)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        r = _serve(["--model", tiny_llama_path, "--port", str(free_port()),
+                    "--replica-base-port", str(port), "--max-total-tokens", "1024"])
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"port {port} is already in use" in r.stderr, r.stderr
+
+
+def test_too_few_resources_on_a_local_cluster_fail_at_once():
+    from radixray.cluster.serve import missing_resources
+
+    assert missing_resources({"CPU": 2.0}, "cpu", 4) == "4 CPU"
+    assert missing_resources({"CPU": 8.0}, "cpu", 4) is None
+    assert missing_resources({"CPU": 8.0, "GPU": 2.0}, "cuda", 4) == "4 GPU"
+    assert missing_resources({"CPU": 2.0}, "cuda", 4) == "4 CPU, 4 GPU"

@@ -44,3 +44,36 @@ def test_out_of_order_calls_run_in_sequence_and_read_the_last_tokens(tiny_llama_
 def test_start_host_copy_leaves_cpu_outputs_as_they_are():
     out = ForwardOutput(next_token_ids=torch.tensor([4, 2]))
     assert out.start_host_copy()() is out and out.next_token_ids.tolist() == [4, 2]
+
+
+IDLE_PEER = r"""
+import sys, time
+from radixray.cluster.tp_worker import TPWorker
+from radixray.worker.model_runner import RunnerConfig
+rank, port, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+worker = TPWorker(rank, 2, RunnerConfig(path, max_total_tokens=64, max_running_requests=2,
+                                        tp_rank=rank, tp_size=2))
+worker.init("127.0.0.1", port, timeout_s=2.0)  # the group's timeout: 2 s
+if rank == 0:
+    time.sleep(5)  # idle for longer than that
+    worker.stop()
+else:
+    print("steps", worker.follow(), flush=True)
+"""
+
+
+def test_an_idle_peer_outlives_the_group_timeout(tiny_llama_path):
+    """A peer waits in the batch broadcast for as long as its replica is idle; it used to die
+    when that wait passed the process group's timeout (every idle minute)."""
+    import subprocess
+    import sys
+
+    from radixray.cluster.tp_worker import free_port
+
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", IDLE_PEER, str(rank), str(port),
+                               tiny_llama_path], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[1][1][-2000:]
+    assert "steps 0" in outs[1][0]
