@@ -2,9 +2,10 @@
 
 Generation routes (/generate, /v1/completions, /v1/chat/completions) go through admission control
 and the routing policy; info routes go to any available worker; /flush_cache and /abort_request
-go to all of them.
+go to every healthy worker, whatever its circuit breaker says (a worker whose circuit is open still
+runs requests to abort and holds a cache to flush).
 /workers manages the worker set at run time, /metrics exposes Prometheus metrics, /health says
-whether any worker can take traffic. No torch, and no other radixray folder, is imported here.
+whether any worker is healthy. No torch, and no other radixray folder, is imported here.
 """
 
 from __future__ import annotations
@@ -171,15 +172,18 @@ class Router:
                                               await request.body(), request.headers)
 
     async def health(self, request: Request) -> Response:
-        available = self.registry.available()
-        if available:
-            return PlainTextResponse(f"ok: {len(available)} of {len(self.registry)} workers "
-                                     f"available")
+        """Ok while any worker passes its health checks: an open circuit is the breaker's
+        judgement of recent requests, and it lets traffic through again on its own (or at the
+        worker's next passing check), so the router is not down for it."""
+        healthy = self.registry.healthy()
+        if healthy:
+            return PlainTextResponse(f"ok: {len(healthy)} of {len(self.registry)} workers "
+                                     f"healthy, {len(self.registry.available())} available")
         return error_response("/health", 503, "no healthy worker")
 
     async def flush_cache(self, request: Request) -> Response:
-        """Flush every available worker; the tree forgets those that flushed."""
-        workers = self.registry.available()
+        """Flush every healthy worker; the tree forgets those that flushed."""
+        workers = self.registry.healthy()
         if not workers:
             return error_response("/flush_cache", 503, "no healthy worker")
 
@@ -208,10 +212,10 @@ class Router:
         return PlainTextResponse(f"Cache flushed on {len(results)} workers.\n")
 
     async def abort_request(self, request: Request) -> Response:
-        """Pass the abort to every available worker: the router does not track which worker
+        """Pass the abort to every healthy worker: the router does not track which worker
         holds a rid, and a worker that does not know it has nothing to abort."""
         raw = await request.body()
-        workers = self.registry.available()
+        workers = self.registry.healthy()
         if not workers:
             return error_response("/abort_request", 503, "no healthy worker")
 
@@ -261,7 +265,8 @@ def build_app(config: RouterConfig, router: Router | None = None) -> Starlette:
     routes += [Route(path, router.info, methods=["GET", "POST"]) for path in INFO_ROUTES]
     routes += [
         Route("/health", router.health, methods=["GET"]),
-        Route("/flush_cache", router.flush_cache, methods=["POST"]),
+        # GET too: a replica (cluster/http_server.py) and SGLang accept both
+        Route("/flush_cache", router.flush_cache, methods=["GET", "POST"]),
         Route("/abort_request", router.abort_request, methods=["POST"]),
         Route("/metrics", router.metrics_endpoint, methods=["GET"]),
         *admin_routes(router),

@@ -9,10 +9,12 @@ counts as one token.
 
 Knobs on the FakeWorker object (tests flip them while it serves): ``fail_status`` answers every
 generation with that status; ``delay`` waits before answering; ``chunk_delay`` paces stream
-chunks; ``health_status`` is what /health returns; ``restart()`` empties the cache as a restarted
-engine's (every answer carries the cache epoch header, as a replica's). A client that
-disconnects during ``delay`` is counted in ``cancelled_requests``, the way an engine aborts
-such a request.
+chunks; ``health_status`` is what /health returns; ``restarting`` answers as a radixray replica
+swapping in new ranks does (generation: its "replica is restarting" 503, /health: 503, and no
+cache epoch, as it has no engine); ``restart()`` empties the cache as a restarted engine's, under
+a new engine id (every answer carries the cache epoch header ``<engine>.<flushes>``, as a
+replica's; a flush counts up ``<flushes>``). A client that disconnects during ``delay`` is
+counted in ``cancelled_requests``, the way an engine aborts such a request.
 
 ``serve_in_thread(app)`` runs any ASGI app with uvicorn on 127.0.0.1 in a daemon thread;
 ``python -m radixray.router.fake_worker --port 0`` runs one in its own process and prints
@@ -36,6 +38,7 @@ from starlette.routing import Route
 
 from .config import CACHE_EPOCH_HEADER
 from .request import request_text
+from .retry import RESTARTING_MESSAGE
 from .tree import ApproxRadixTree
 
 
@@ -50,17 +53,39 @@ class FakeWorker:
         self.api_key = api_key  # required by /get_server_info and /flush_cache when set
         self.fail_status: int | None = None
         self.health_status = 200
+        self.restarting = False
         self.requests = 0  # generation requests received
         self.cancelled_streams = 0  # streams whose client went away before the end
         self.cancelled_requests = 0  # requests whose client went away during ``delay``
         self.aborted: list[str] = []  # rids passed to /abort_request
-        self.epoch = 0  # bumped whenever the cache is emptied
+        self.engine = 0  # counts restarts: the engine part of the cache epoch
+        self.flushes = 0
         self.app = self._build()
 
+    @property
+    def epoch(self) -> str:
+        return f"{self.name}-{self.engine}.{self.flushes}"
+
     def restart(self) -> None:
-        """What a replica restart does to the cache: empty, under a new epoch."""
+        """What a replica restart does to the cache: empty, under a new engine's epoch."""
         self.cache.clear()
-        self.epoch += 1
+        self.engine += 1
+        self.flushes = 0
+
+    def flush(self) -> None:
+        self.cache.clear()
+        self.flushes += 1
+
+    @staticmethod
+    def restarting_answer(path: str) -> JSONResponse:
+        """A replica's answer to a generation request while it restarts (cluster/replica.py
+        RestartGate), in its error shape for ``path``."""
+        if path.startswith("/v1/"):
+            body = {"object": "error", "message": RESTARTING_MESSAGE,
+                    "type": "ServiceUnavailableError", "param": None, "code": 503}
+        else:
+            body = {"error": {"message": RESTARTING_MESSAGE, "code": 503, "param": None}}
+        return JSONResponse(body, status_code=503)
 
     # The answer is deterministic in the prompt, so a direct and a routed request match byte
     # for byte (no timestamps or random ids in it).
@@ -76,6 +101,8 @@ class FakeWorker:
     async def _generation(self, request: Request):
         self.requests += 1
         raw = await request.body()
+        if self.restarting:
+            return None, self.restarting_answer(request.url.path)
         if self.delay and await self._client_left_within(request, self.delay):
             self.cancelled_requests += 1  # an engine would abort the request here
             return None, Response(status_code=499)
@@ -161,6 +188,8 @@ class FakeWorker:
         return StreamingResponse(gen(), media_type="text/event-stream")
 
     async def health(self, request: Request):
+        if self.restarting:
+            return PlainTextResponse("engine not ready or not making progress", status_code=503)
         return PlainTextResponse("ok" if self.health_status == 200 else "unhealthy",
                                  status_code=self.health_status)
 
@@ -183,7 +212,7 @@ class FakeWorker:
         if not self._authorized(request):
             return JSONResponse({"error": {"message": "Missing or invalid API key"}},
                                 status_code=401)
-        self.restart()
+        self.flush()
         return PlainTextResponse("Cache flushed.\n")
 
     async def abort_request(self, request: Request):
@@ -203,14 +232,14 @@ class FakeWorker:
             Route("/health_generate", self.health, methods=["GET"]),
             Route("/get_model_info", self.model_info, methods=["GET"]),
             Route("/get_server_info", self.server_info, methods=["GET"]),
-            Route("/flush_cache", self.flush_cache, methods=["POST"]),
+            Route("/flush_cache", self.flush_cache, methods=["GET", "POST"]),
             Route("/abort_request", self.abort_request, methods=["POST"]),
         ])
 
         async def with_epoch(scope, receive, send):
             async def send_epoch(message):
-                if message["type"] == "http.response.start":
-                    epoch = (CACHE_EPOCH_HEADER.encode(), f"{self.name}.{self.epoch}".encode())
+                if message["type"] == "http.response.start" and not self.restarting:
+                    epoch = (CACHE_EPOCH_HEADER.encode(), self.epoch.encode())
                     message = {**message, "headers": [*message.get("headers", []), epoch]}
                 await send(message)
 

@@ -3,7 +3,9 @@
 A worker's /health runs a real (tiny) generation, so a 200 means the engine works, not only that
 the HTTP server is up. A refused connection marks the worker unhealthy at once (nothing listens
 there); slow or failing answers must repeat ``health_failure_threshold`` times, so a worker busy
-with a large batch is not dropped for one slow check. One good check makes a worker healthy again.
+with a large batch is not dropped for one slow check. One good check makes a worker healthy again,
+half-opens its open circuit or counts toward closing a half-open one (circuit.py says why it does
+not close it outright).
 Every answer carries the worker's cache epoch (here and in the proxy): a new one means the worker
 restarted or flushed since, and the router forgets what it believed cached there.
 

@@ -5,6 +5,9 @@ Streamed requests are retried the same way until the first body byte has arrived
 after that the router is committed: the bytes pass through chunk by chunk as they come (no
 buffering, no re-encoding), an upstream failure becomes an in-band SSE error event, and a client
 disconnect closes the upstream connection, which makes the worker abort the generation.
+
+Each answer's cache epoch is read before its outcome is booked on the worker's breaker, so a
+new engine's first answer is judged by the new engine's (reset) breaker.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ import anyio
 import httpx
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from .circuit import OPEN
 from .config import CACHE_EPOCH_HEADER, ERROR_TYPES, RouterConfig
 from .metrics import RouterMetrics
 from .policies import Policy, RequestInfo, least_loaded
 from .request import SSETail, token_counts
-from .retry import BREAKER_STATUS, RETRYABLE_STATUS, backoff_delay
+from .retry import BREAKER_STATUS, RETRYABLE_STATUS, backoff_delay, is_restarting
 from .tree import ApproxRadixTree
 from .workers import Worker, WorkerRegistry
 
@@ -63,7 +67,7 @@ def error_response(route: str, status: int, message: str,
 
 @dataclass
 class Failure:
-    kind: str  # label of errors_total: connect, timeout, protocol, stream, http_<status>
+    kind: str  # label of errors_total: connect, timeout, protocol, restarting, http_<status>
     message: str
     response: Response | None = None  # the worker's own answer, for a retryable status
 
@@ -89,6 +93,16 @@ class UpstreamStream(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self._cleanup()
+
+
+def worker_state(worker: Worker) -> str:
+    """A worker's state in words, for messages: why it does or does not take traffic."""
+    if not worker.healthy:
+        return "unhealthy: no traffic until a health check passes"
+    if worker.breaker.state == OPEN:
+        return (f"circuit open: half-open in {worker.breaker.cooldown_left():.0f} s "
+                "or at its next passing health check")
+    return "available"
 
 
 class Proxy:
@@ -126,10 +140,7 @@ class Proxy:
             self.tree.insert(info.text, worker.url, worker.tree_limit)
             tried.add(worker.url)
             send = self._send_stream if stream else self._send_once
-            result = await send(worker, route, raw, fwd, on_done)
-            answer = result if isinstance(result, Response) else result.response
-            emptied = answer is not None and self.registry.observe_epoch(
-                worker, answer.headers.get(CACHE_EPOCH_HEADER))
+            result, emptied = await send(worker, route, raw, fwd, on_done)
             if not isinstance(result, Response) or result.status_code >= 400:
                 self.tree.forget(info.text, worker.url, predicted)  # it cached nothing of it
             elif emptied:
@@ -147,7 +158,7 @@ class Proxy:
         if last_answer is not None:
             answer = last_answer  # the workers' own words beat ours
         elif not failures:
-            answer = error_response(route, 503, "no healthy worker: " + self._roster())
+            answer = error_response(route, 503, self._no_worker_message())
         else:
             status = 503 if not self.registry.available() else 502
             answer = error_response(route, status, f"all {len(failures)} attempts failed; "
@@ -179,7 +190,7 @@ class Proxy:
                 failures.append(f"{worker.url}: {failure.message}")
                 continue
             answer = Response(resp.content, resp.status_code, downstream_headers(resp.headers))
-            self.registry.observe_epoch(worker, resp.headers.get(CACHE_EPOCH_HEADER))
+            self._observe_epoch(worker, resp)
             if resp.status_code not in RETRYABLE_STATUS:
                 return answer
             failures.append(f"{worker.url}: HTTP {resp.status_code}")
@@ -187,15 +198,16 @@ class Proxy:
         if last_answer is not None:
             return last_answer
         if not failures:
-            return error_response(path, 503, "no healthy worker: " + self._roster())
+            return error_response(path, 503, self._no_worker_message())
         return error_response(path, 502, "all attempts failed; " + "; ".join(failures[-3:]))
 
-    def _roster(self) -> str:
+    def _no_worker_message(self) -> str:
+        """Why no worker could take a request, naming each worker's state truthfully."""
         workers = self.registry.all()
         if not workers:
-            return "no workers are registered"
-        return ", ".join(f"{w.url} ({'circuit open' if w.healthy else 'unhealthy'})"
-                         for w in workers)
+            return "no healthy worker: no workers are registered"
+        prefix = "no available worker" if self.registry.healthy() else "no healthy worker"
+        return f"{prefix}: " + ", ".join(f"{w.url} ({worker_state(w)})" for w in workers)
 
     def _transport_failure(self, worker: Worker, exc: Exception) -> Failure:
         """Account for a request that never got an answer from ``worker``."""
@@ -208,11 +220,20 @@ class Proxy:
         return Failure("protocol", f"{type(exc).__name__}: {exc}")
 
     def _status_failure(self, worker: Worker, status: int, answer: Response) -> Failure:
+        if is_restarting(status, answer.body):
+            # Deliberate, not broken: counted as failures, a restart's few answers would open
+            # the circuit of a replica about to serve again. Its new engine is not there yet,
+            # so it gets no traffic until a health check passes (which also sees the new cache
+            # epoch, and the registry closes its circuit).
+            self.registry.mark_unhealthy(worker)
+            return Failure("restarting", "HTTP 503 (replica is restarting)", answer)
         if status in BREAKER_STATUS:
             worker.breaker.record_failure()
-        else:
-            worker.breaker.record_neutral()
         return Failure(f"http_{status}", f"HTTP {status}", answer)
+
+    def _observe_epoch(self, worker: Worker, resp: httpx.Response) -> bool:
+        """Read the answer's cache epoch (True: the worker's cache was emptied since)."""
+        return self.registry.observe_epoch(worker, resp.headers.get(CACHE_EPOCH_HEADER))
 
     def _record_usage(self, payload) -> None:
         counts = token_counts(payload)
@@ -220,20 +241,18 @@ class Proxy:
             self.metrics.record_real(*counts)
 
     async def _send_once(self, worker: Worker, route, raw, fwd, on_done):
+        """One attempt: (the answer, or a Failure; whether the worker's cache was emptied)."""
         worker.load += 1
-        worker.breaker.on_send()
         try:
             resp = await self.client.post(worker.url + route, content=raw, headers=fwd)
         except httpx.HTTPError as exc:
-            return self._transport_failure(worker, exc)
-        except asyncio.CancelledError:
-            worker.breaker.record_neutral()
-            raise
+            return self._transport_failure(worker, exc), False
         finally:
             worker.load -= 1
+        emptied = self._observe_epoch(worker, resp)
         answer = Response(resp.content, resp.status_code, downstream_headers(resp.headers))
         if resp.status_code in RETRYABLE_STATUS:
-            return self._status_failure(worker, resp.status_code, answer)
+            return self._status_failure(worker, resp.status_code, answer), emptied
         worker.breaker.record_success()
         if resp.status_code == 200:
             worker.served += 1
@@ -242,11 +261,11 @@ class Proxy:
             except ValueError:
                 pass  # not JSON: nothing to learn about the cache
         on_done(resp.status_code)
-        return answer
+        return answer, emptied
 
     async def _send_stream(self, worker: Worker, route, raw, fwd, on_done):
+        """As ``_send_once``; a stream whose first byte came is committed to this worker."""
         worker.load += 1
-        worker.breaker.on_send()
         resp = None
         try:
             request = self.client.build_request("POST", worker.url + route, content=raw,
@@ -258,25 +277,26 @@ class Proxy:
                     first = await chunks.__anext__()
                 except StopAsyncIteration:
                     first = b""
-                return self._commit_stream(worker, resp, first, chunks, on_done)
+                emptied = self._observe_epoch(worker, resp)
+                return self._commit_stream(worker, resp, first, chunks, on_done), emptied
             body = await resp.aread()  # an error answer is small: read it whole
         except httpx.HTTPError as exc:
             await _close(resp)
             worker.load -= 1
-            return self._transport_failure(worker, exc)
+            return self._transport_failure(worker, exc), False
         except asyncio.CancelledError:
             await _close(resp)
             worker.load -= 1
-            worker.breaker.record_neutral()
             raise
         await _close(resp)
         worker.load -= 1
+        emptied = self._observe_epoch(worker, resp)
         answer = Response(body, resp.status_code, downstream_headers(resp.headers))
         if resp.status_code in RETRYABLE_STATUS:
-            return self._status_failure(worker, resp.status_code, answer)
+            return self._status_failure(worker, resp.status_code, answer), emptied
         worker.breaker.record_success()
         on_done(resp.status_code)
-        return answer
+        return answer, emptied
 
     def _commit_stream(self, worker: Worker, resp: httpx.Response, first: bytes, chunks,
                        on_done) -> Response:
@@ -310,8 +330,7 @@ class Proxy:
                 self._record_usage(tail.last_json())
             elif outcome == "failed":
                 worker.breaker.record_failure()
-            else:
-                worker.breaker.record_neutral()
+            # cut: the client left; no verdict on the worker
             # The 200 went out with the first byte; the books record how the stream ended.
             on_done({"finished": 200, "failed": 502, "cut": 499}[outcome])
 

@@ -1,7 +1,7 @@
 """The worker registry: which workers exist, how loaded they are, and whether they may get traffic.
 
-A worker is available when it is healthy (health checks, or no connection failure since the last
-good check) and its circuit breaker lets a request through. Listeners registered with
+A worker is available when it is healthy (health checks, or no connection failure or "restarting"
+answer since the last good check) and its circuit breaker is not open. Listeners registered with
 ``on_down`` hear when a worker is removed, turns unhealthy or answers with a new cache epoch
 (it restarted or flushed between two health checks), so the router can drop its tree entries:
 that worker's cache is empty.
@@ -64,7 +64,13 @@ class WorkerRegistry:
         return list(self._workers.values())
 
     def available(self) -> list[Worker]:
+        """Workers that may get generation traffic now (healthy, circuit not open)."""
         return [w for w in self._workers.values() if w.available()]
+
+    def healthy(self) -> list[Worker]:
+        """Workers passing health checks, whatever their breaker says: /health, /flush_cache
+        and /abort_request concern the worker, not the requests it failed lately."""
+        return [w for w in self._workers.values() if w.healthy]
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -110,7 +116,8 @@ class WorkerRegistry:
         tree entries) when it is newer than the last one seen. Answers without one (workers
         that do not send it, the router's own errors) change nothing, and neither does an
         older one (a slow answer overtaken by a newer one): epochs read ``<engine>.<flushes>``,
-        newer being a new engine or more flushes."""
+        newer being a new engine or more flushes. A new engine also gets a closed circuit: the
+        failures that opened it were its predecessor's."""
         if not epoch or epoch == worker.cache_epoch:
             return False
         engine, _, flushes = epoch.rpartition(".")
@@ -123,6 +130,7 @@ class WorkerRegistry:
                 return False
             if engine != last_engine:
                 worker.retired_engines.add(last_engine)
+                worker.breaker.reset()
         changed = worker.cache_epoch is not None
         worker.cache_epoch = epoch
         if changed:

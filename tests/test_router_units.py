@@ -49,26 +49,25 @@ class TestBreaker:
         b.record_failure()
         assert b.state == OPEN and not b.allows()
 
-    def test_half_opens_after_cooldown_admits_one_trial_then_closes(self):
+    def test_half_open_admits_every_request_and_successes_close_it(self):
+        # No single-trial slot: with one, a one-replica deployment refused all but one
+        # concurrent request for as long as the trial ran.
         clock = Clock()
         b = CircuitBreaker(failure_threshold=1, window=10, cooldown=5, success_threshold=2,
                            clock=clock)
         b.record_failure()
         clock.t += 4.9
-        assert b.state == OPEN
+        assert b.state == OPEN and not b.allows() and b.cooldown_left() == pytest.approx(0.1)
         clock.t += 0.2
-        assert b.state == HALF_OPEN and b.allows()
-        b.on_send()
-        assert not b.allows()  # one trial at a time
+        assert b.state == HALF_OPEN and b.allows() and b.cooldown_left() == 0
         b.record_success()
         assert b.state == HALF_OPEN and b.allows()
-        b.on_send()
         b.record_success()
         assert b.state == CLOSED
 
-    def test_a_passing_health_check_ends_the_cool_down(self):
+    def test_a_passing_health_check_ends_the_cool_down_and_counts_as_a_success(self):
         clock = Clock()
-        b = CircuitBreaker(failure_threshold=1, window=10, cooldown=60, success_threshold=1,
+        b = CircuitBreaker(failure_threshold=1, window=10, cooldown=60, success_threshold=2,
                            clock=clock)
         b.probe_passed()  # closed: nothing to do
         assert b.state == CLOSED
@@ -76,26 +75,30 @@ class TestBreaker:
         clock.t += 1
         b.probe_passed()
         assert b.state == HALF_OPEN and b.allows()
-        b.on_send()
         b.record_failure()  # still failing real requests: open for a full cool-down again
         assert b.state == OPEN
+        b.probe_passed()
+        b.probe_passed()  # an idle worker's circuit closes on health checks alone
+        assert b.state == HALF_OPEN
+        b.probe_passed()
+        assert b.state == CLOSED
 
-    def test_failed_trial_reopens(self):
+    def test_failure_while_half_open_reopens_and_reset_closes(self):
         clock = Clock()
-        b = CircuitBreaker(failure_threshold=1, window=10, cooldown=5, success_threshold=1,
+        b = CircuitBreaker(failure_threshold=2, window=10, cooldown=5, success_threshold=1,
                            clock=clock)
         b.record_failure()
+        b.record_failure()
         clock.t += 5
-        b.on_send()
+        assert b.state == HALF_OPEN
         b.record_failure()
         assert b.state == OPEN
         clock.t += 4
         assert b.state == OPEN
-        clock.t += 1
-        assert b.state == HALF_OPEN
-        b.on_send()
-        b.record_neutral()  # a trial that ended without a verdict frees the slot
-        assert b.allows()
+        b.reset()  # a new engine behind the URL
+        assert b.state == CLOSED and b.allows()
+        b.record_failure()  # the old engine's failures are forgotten: one is not enough
+        assert b.state == CLOSED
 
 
 def test_backoff_grows_caps_and_jitters():
