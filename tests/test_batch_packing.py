@@ -167,7 +167,7 @@ def _channel_rank(rank: int, port: int, batches: list, capacity: int, queue) -> 
                             world_size=2)
     calls = []
     real = dist.broadcast
-    dist.broadcast = lambda t, src: (calls.append(t.numel()), real(t, src))[1]
+    dist.broadcast = lambda t, src, group=None: (calls.append(t.numel()), real(t, src, group))[1]
     channel = BatchChannel("cpu", capacity=capacity)
     got = []
     if rank == 0:
