@@ -181,6 +181,7 @@ class GrammarBackend:
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()
         self.num_compiles = 0  # compilations started (cache misses)
+        self._compiling: set[threading.Thread] = set()  # compile threads still running
 
     def submit(self, kind: str, text) -> GrammarFuture:
         """Start compiling (or reuse the cached or in-flight compilation of) ``(kind, text)``.
@@ -215,6 +216,8 @@ class GrammarBackend:
         on (and is cached when done) without making the grammars queued behind it time out."""
         worker = threading.Thread(target=self._compile_into, args=(future, kind, text),
                                   name="grammar-compile", daemon=True)
+        with self._lock:
+            self._compiling.add(worker)
         worker.start()
         worker.join(self.compile_timeout_s)
 
@@ -223,6 +226,9 @@ class GrammarBackend:
             future.set_result(self._compile(kind, text))
         except BaseException as exc:
             future.set_exception(exc)
+        finally:
+            with self._lock:
+                self._compiling.discard(threading.current_thread())
 
     def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
         try:
@@ -240,6 +246,13 @@ class GrammarBackend:
     def cache_size(self) -> int:
         return len(self._cache)
 
-    def shutdown(self) -> None:
-        """Stop the pool; compilations in flight finish, queued ones are dropped."""
+    def shutdown(self, wait_s: float = 10.0) -> None:
+        """Stop the pool; queued compilations are dropped, and those in flight get ``wait_s``
+        to finish: a process that exits while one runs in C++ aborts (SIGABRT) when Python
+        ends the thread under it."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + wait_s
+        with self._lock:
+            running = list(self._compiling)
+        for thread in running:
+            thread.join(max(0.0, deadline - time.monotonic()))

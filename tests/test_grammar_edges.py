@@ -129,3 +129,28 @@ def test_stop_token_ids_inside_forced_text(tiny_llama_path, jump_forward):
                                                     "stop_token_ids": [stop]})
         assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
         assert out["output_ids"] == base["output_ids"][:3]
+
+
+EXIT_DURING_COMPILE = r"""
+import json, sys
+from radixray.cluster import Engine
+schema = {"type": "object", "required": [f"k{i}" for i in range(40)], "properties": {
+    f"k{i}": {"type": "string", "pattern": "[a-z]{3,9}@[a-z]{2,8}\\.(com|org|net)"}
+    for i in range(40)}}
+with Engine(sys.argv[1], max_total_tokens=512, grammar_compile_timeout=0.001) as eng:
+    out = eng.generate("x", sampling_params={"max_new_tokens": 4,
+                                             "json_schema": json.dumps(schema)})
+    print(out["meta_info"]["finish_reason"]["message"], flush=True)
+"""
+
+
+def test_exit_while_a_timed_out_compile_runs_is_clean(tiny_llama_path):
+    """The compile outlives its timeout; the process then exits. Python ending a thread inside
+    xgrammar's C++ aborted the process (SIGABRT); shutdown now lets it finish first."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", EXIT_DURING_COMPILE, tiny_llama_path],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "compilation timed out" in r.stdout
