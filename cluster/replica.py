@@ -60,10 +60,6 @@ def advertised_url(bind_host: str, port: int, node_ip: str) -> str:
 
 def port_is_free(host: str, port: int) -> bool:
     """Can a server listen on ``host:port`` now (as uvicorn binds it)?"""
-    return _binds(host, port)
-
-
-def _binds(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         # as uvicorn binds: a dead predecessor's connections in TIME_WAIT do not count
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -78,7 +74,7 @@ def bindable_port(host: str, preferred: int, tries: int = 64) -> int:
     """``preferred`` if a server can listen on it at ``host`` now, else the next port up that
     can; ``preferred`` again if none of ``tries`` can (the bind then fails loudly)."""
     return next((candidate for candidate in range(preferred, min(preferred + tries, 65536))
-                 if _binds(host, candidate)), preferred)
+                 if port_is_free(host, candidate)), preferred)
 
 
 def replica_actor_options(replica_id: str, node_id: str) -> dict:
@@ -379,8 +375,11 @@ def start_replica(replica_id: str, model_path: str, server_args: dict, tp_size: 
         http_args, step_timeout_s, pg)
     try:
         ray.get(actor.get_url.remote(), timeout=START_TIMEOUT_S)
-    except Exception:  # leave nothing behind: no head, no reserved bundles
+    except Exception as e:  # leave nothing behind: no head, no reserved bundles
         ray.kill(actor)
         remove_placement_group(pg)
+        if isinstance(e, ray.exceptions.GetTimeoutError):
+            raise RuntimeError(f"replica {replica_id}: not serving {START_TIMEOUT_S:.0f}s "
+                               "after it started loading the model") from None
         raise
     return actor

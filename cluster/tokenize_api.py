@@ -16,14 +16,14 @@ from .generation import ServingContext, bad_request
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # no true for 1, "yes" for true
     model: str | None = None
     prompt: str | list[str]
     add_special_tokens: bool = True
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
     tokens: list[int] | list[list[int]]
     skip_special_tokens: bool = True

@@ -287,8 +287,11 @@ def plan_tools(tools: list[dict] | None, tool_choice, parser_name: str | None) -
         chosen = [t for t in tools if t["function"]["name"] == wanted]
         if not chosen:
             raise ValueError(f"tool_choice.function.name: {wanted!r} is not among the tools")
+    from ..scheduler.grammar import validate_grammar  # lazily, as in _forced
+
     try:
         plan.forced_ebnf = parser.forced_grammar(chosen)
+        validate_grammar("ebnf", plan.forced_ebnf)  # a 400 naming tools, not ebnf
     except ValueError as e:
         raise ValueError(f"tools: a function's parameters are not a usable JSON schema "
                          f"({e})") from None

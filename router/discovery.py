@@ -3,7 +3,9 @@
 Each replica is a Ray actor named ``replica:<something>`` in the namespace ``radixray`` with a
 ``get_url()`` method returning its HTTP address. Every ``discovery_interval`` seconds the router
 lists the cluster's named actors, asks each replica for its URL, adds the new ones and removes
-those that vanished. Only workers that discovery added are ever removed by it.
+those that vanished. Only workers that discovery added, or found among the static URLs
+(``radixray serve`` lists its replicas at start-up too, so the router serves before its first
+poll), are ever removed by it: a replica whose head Ray restarted elsewhere moves.
 
 Ray is imported here, lazily, and only when no lister is injected (tests inject one).
 """
@@ -64,9 +66,12 @@ class RayDiscovery:
         for name, url in found.items():
             if url is not None and name not in self.known:
                 self.known[name] = url
-                if url not in self.registry:
+                worker = self.registry.get(url)
+                if worker is None:
                     self.registry.add(url, source="ray")
                     added.append(url)
+                elif worker.source == "static":
+                    worker.source = "ray"  # Ray knows it by name now: follow it when it moves
         for url in added:
             log.info("discovered worker %s", url)
         for url in removed:

@@ -24,8 +24,9 @@ calls each one from a one-line hook):
 6. Retraction: the request keeps its output tokens and gets a matcher re-created from them.
 
 Jump-forward is skipped for requests that want logprobs (the forced tokens have none) or have
-stop strings or stop token ids (forced text is not searched for them). The scheduler does not overlap batches
-while a constrained request runs: batch N+1's mask needs batch N's tokens accepted.
+stop strings or stop token ids (forced text is not searched for them). The scheduler does not
+overlap batches while a constrained request runs: batch N+1's mask needs batch N's tokens
+accepted.
 """
 
 from __future__ import annotations
@@ -132,14 +133,13 @@ class ConstrainedDecoding:
         states = [r.grammar for r in batch.reqs]
         if any(s is not None for s in states):
             mask = batch.forward_batch.vocab_mask = self.fill(states)
-            for i, req in enumerate(batch.reqs):
-                if states[i] is not None and not bool(mask[i].any()):
-                    # A dead end the grammar let the model into: the sampler cannot draw
-                    # from an empty row, so let it draw anything and end the request after
-                    # this step (on_token does not feed that token to the matcher).
-                    mask[i] = -1
-                    req.to_abort = (f"{req.sampling_params.constraint[0]}: the grammar "
-                                    "allows no further token")
+            for i, state in enumerate(states):
+                if state is not None and not bool(mask[i].any()):
+                    # A dead end the grammar let the model into (xgrammar does not look
+                    # ahead): the sampler cannot draw from an empty row, so it draws the
+                    # stop token (invisible in the text) and on_token ends the request.
+                    state.dead_end = True
+                    self._allow_only_stop(mask, i)
 
     def on_token(self, req: Req) -> list[int]:
         """``req``'s newest output token was just sampled (under its mask). Accept it into the
@@ -149,7 +149,10 @@ class ConstrainedDecoding:
         matcher."""
         state, out = req.grammar, req.output_ids
         start, token = len(out) - 1, out[-1]
-        if req.to_abort is not None:  # its row was a dead end (fill_mask): ends this step
+        if state.dead_end:  # see fill_mask: the client's grammar cannot go on
+            req.finish_reason = FinishReason.abort(
+                f"{req.sampling_params.constraint[0]}: the grammar allows no further token "
+                f"after {len(out) - 1} output tokens", status_code=400)
             return out[start:]
         if not state.accept(token):  # only if the mask was not applied: a worker bug
             req.finish_reason = FinishReason.abort(
@@ -159,9 +162,17 @@ class ConstrainedDecoding:
             req.finish_reason = FinishReason.stop(token)
         if not req.finished:
             self._jump(req)
-            if state.is_terminated() and not req.finished:  # a jump ended in a stop token
-                req.finish_reason = FinishReason.stop(out[-1])
         return out[start:]
+
+    def _allow_only_stop(self, mask, row: int) -> None:
+        """Row ``row`` of the batch bitmask allows the stop token alone (every token when the
+        grammar has none)."""
+        if self.stop_token is None:
+            mask[row] = -1
+            return
+        mask[row] = 0
+        bit = self.stop_token & 31
+        mask[row, self.stop_token >> 5] = (1 << bit) - (1 << 32 if bit == 31 else 0)
 
     def on_retract(self, reqs: list[Req]) -> None:
         """Retracted requests keep their output tokens; re-create their matchers from them."""

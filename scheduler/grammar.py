@@ -216,9 +216,9 @@ class GrammarBackend:
         on (and is cached when done) without making the grammars queued behind it time out."""
         worker = threading.Thread(target=self._compile_into, args=(future, kind, text),
                                   name="grammar-compile", daemon=True)
-        with self._lock:
+        with self._lock:  # started under the lock: shutdown only ever joins started threads
             self._compiling.add(worker)
-        worker.start()
+            worker.start()
         worker.join(self.compile_timeout_s)
 
     def _compile_into(self, future: Future, kind: str, text: str) -> None:

@@ -125,14 +125,58 @@ def _rules(ebnf: str) -> dict[str, object]:
     return rules
 
 
-def _holds(formula, productive: set[str]) -> bool:
-    if formula is True:
-        return True
-    op, arg = formula
-    if op == "ref":
-        return arg in productive
-    parts = (_holds(f, productive) for f in arg)
-    return all(parts) if op == "and" else any(parts)
+def productive_rules(rules: dict[str, object]) -> set[str]:
+    """The rules some finite text matches. Productivity spreads up from the terminals through
+    a graph of the formulas' nodes, each node taken once: linear in the grammar's size (a
+    fixed point that re-evaluates every rule per pass is quadratic on a chain of rules, and a
+    JSON schema of many ``$defs`` is one)."""
+    parents: list[list[int]] = []  # node -> the and/or nodes it is a part of
+    ops: list[str] = []  # node -> "and" | "or" | "ref" | "term"
+    pending: dict[int, int] = {}  # and-node -> its parts not yet known productive
+    users: dict[str, list[int]] = {}  # rule name -> the ref nodes naming it
+    rule_of: dict[int, str] = {}  # a rule's body node -> the rule
+    ready: list[int] = []  # nodes known productive, not yet spread
+
+    def add(formula, parent: int | None) -> int:
+        node = len(ops)
+        parents.append([] if parent is None else [parent])
+        if formula is True:
+            ops.append("term")
+            ready.append(node)
+            return node
+        op, arg = formula
+        ops.append(op)
+        if op == "ref":
+            users.setdefault(arg, []).append(node)
+        else:
+            if op == "and":
+                pending[node] = len(arg)
+                if not arg:  # the empty sequence matches ""
+                    ready.append(node)
+            for part in arg:
+                add(part, node)
+        return node
+
+    for name, body in rules.items():
+        rule_of[add(body, None)] = name
+    productive: set[str] = set()
+    done = [False] * len(ops)
+    while ready:
+        node = ready.pop()
+        if done[node]:
+            continue
+        done[node] = True
+        name = rule_of.get(node)
+        if name is not None and name not in productive:
+            productive.add(name)
+            ready.extend(users.get(name, ()))
+        for parent in parents[node]:
+            if ops[parent] == "and":
+                pending[parent] -= 1
+                if pending[parent]:
+                    continue
+            ready.append(parent)
+    return productive
 
 
 def _refs(formula, out: set[str]) -> set[str]:
@@ -155,14 +199,7 @@ def unfinishable_rule(ebnf: str, root: str = "root") -> str | None:
         return None
     if root not in rules:
         return None
-    productive: set[str] = set()
-    changed = True
-    while changed:
-        changed = False
-        for name, body in rules.items():
-            if name not in productive and _holds(body, productive):
-                productive.add(name)
-                changed = True
+    productive = productive_rules(rules)
     seen, todo = set(), [root]
     while todo:
         name = todo.pop()

@@ -88,6 +88,7 @@ class GrammarState:
         self.vocab = vocab
         self.matcher = xgr.GrammarMatcher(compiled)
         self.num_tokens = 0  # output tokens the matcher has accepted
+        self.dead_end = False  # no token may follow, yet the grammar is not done (rare)
 
     @classmethod
     def from_tokens(cls, compiled: xgr.CompiledGrammar, vocab: GrammarVocab,
@@ -106,6 +107,7 @@ class GrammarState:
         other = GrammarState.__new__(GrammarState)
         other.compiled, other.vocab = self.compiled, self.vocab
         other.matcher, other.num_tokens = self.matcher.fork(), self.num_tokens
+        other.dead_end = self.dead_end
         return other
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
@@ -184,11 +186,15 @@ class GrammarState:
                     forced: str) -> Jump | None:
         while forced:
             text = tail_text + forced
-            new = _encode_plain(tokenizer, text)
+            new = tokenizer.encode(text, add_special_tokens=False)
             if _decode(tokenizer, new) != text:  # a normalizer changed the text
                 return None
             if any(t in self.vocab.stop_ids or t in self.vocab.banned_ids for t in new):
-                return None  # forced text is ordinary text, never a special token
+                # Forced text that spells a special token (``<|eos|>``) is ordinary text the
+                # model writes under the mask; as the real token it would end the request
+                # mid-grammar. (``split_special_tokens`` would encode it as text, but sets a
+                # flag on the tokenizer the HTTP layer shares.)
+                return None
             keep = _common_prefix(tail, new)
             retracted, body, last = tail[keep:], new[keep:-1], new[-1]
             if not self._swap(len(retracted), body):
@@ -228,15 +234,6 @@ class GrammarState:
         mask = allocate_vocab_mask(1, self.vocab.vocab_size)
         self.fill_mask(mask, 0)
         return bool(_bits(mask[0], ext).any())
-
-
-def _encode_plain(tokenizer, text: str) -> list[int]:
-    """``text`` as ordinary text: a forced ``<|eos|>`` is seven characters the grammar asked
-    for, not the EOS token (which would end the request mid-grammar)."""
-    try:
-        return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
-    except TypeError:  # a tokenizer without the option; the special-id check still holds
-        return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _decode(tokenizer, ids: Sequence[int]) -> str:

@@ -91,7 +91,23 @@ def test_spelled_out_eos_is_text(engine, regex):
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}, out
     assert text in ("x", "x<|eos|>", "a<|eos|>", "b<|eos|>")
     assert out["output_ids"][-1] == eos and eos not in out["output_ids"][:-1]
+    # the tokenizer the HTTP layer shares still reads special tokens as themselves
+    assert engine.tokenizer.encode("<|im_start|>", add_special_tokens=False) == \
+        [engine.tokenizer.convert_tokens_to_ids("<|im_start|>")]
     _still_serves(engine)
+
+
+def test_a_long_chain_of_rules_is_checked_in_linear_time():
+    """A schema of many $defs chained by required references (each rule waits for the next):
+    a fixed point took 45 s on 1,600 of them; here 3,000 take well under a second."""
+    defs = {f"d{i}": {"type": "object", "required": ["x"],
+                      "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(3000)}
+    finishing = {**defs, "d3000": {"type": "integer"}}
+    assert unfinishable_rule(_ebnf("json_schema", {"$defs": finishing,
+                                                   "$ref": "#/$defs/d0"})) is None
+    endless = {**defs, "d3000": {"$ref": "#/$defs/d0"}}  # the chain closes on itself
+    assert unfinishable_rule(_ebnf("json_schema", {"$defs": endless,
+                                                   "$ref": "#/$defs/d0"})) is not None
 
 
 def test_grammar_that_allows_nothing_is_refused(engine):
@@ -112,7 +128,9 @@ def test_dead_end_mid_grammar_ends_the_request(engine):
           "logit_bias": {str(a[0]): 100.0}}
     out = engine.generate("x", sampling_params=sp)
     reason = out["meta_info"]["finish_reason"]
-    assert reason == {"type": "abort", "message": "regex: the grammar allows no further token"}
+    assert reason == {"type": "abort", "status_code": 400, "message": "regex: the grammar "
+                      "allows no further token after 1 output tokens"}
+    assert out["text"] == "a"  # nothing unconstrained reaches the client
     _still_serves(engine)
 
 

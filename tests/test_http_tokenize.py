@@ -66,6 +66,8 @@ def test_detokenize_round_trip(client, server):
     ("/detokenize", {"tokens": [1, -2]}, "tokens"),
     ("/detokenize", {"tokens": [[1], [10 ** 9]]}, "tokens[1]"),
     ("/v1/detokenize", {"tokens": [1.5]}, "tokens"),
+    ("/detokenize", {"tokens": [True]}, "tokens"),  # strict: true is not token 1
+    ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
 ])
 def test_bad_input_is_a_400_naming_the_field(client, path, body, field):
     r = client.post(path, json=body)

@@ -249,20 +249,25 @@ def test_discovery_adds_and_removes_replicas():
                         url_of=url_of)
     added, gone = asyncio.run(disc.poll_once())
     assert sorted(added) == ["http://r0:1", "http://r1:1"] and gone == []
+    # a static worker that Ray also lists (radixray serve passes both) is Ray's from now on
     assert {w.url: w.source for w in registry.all()} == {
-        "http://static:1": "static", "http://r0:1": "ray", "http://r1:1": "ray"}
+        "http://static:1": "ray", "http://r0:1": "ray", "http://r1:1": "ray"}
     assert disc.apply(disc.discover()) == ([], [])  # steady state
     actors.pop(1)  # replica:1 died
     urls["replica:0"] = "http://r0:2"  # replica:0 restarted elsewhere
-    actors.pop()  # the actor sharing the static worker's url left: static stays
+    urls["replica:static"] = "http://static:2"  # ... and so did the one listed at start-up
     added, gone = disc.apply(disc.discover())
-    assert added == ["http://r0:2"] and sorted(gone) == ["http://r0:1", "http://r1:1"]
-    assert sorted(w.url for w in registry.all()) == ["http://r0:2", "http://static:1"]
+    assert sorted(added) == ["http://r0:2", "http://static:2"]
+    assert sorted(gone) == ["http://r0:1", "http://r1:1", "http://static:1"]
+    assert sorted(w.url for w in registry.all()) == ["http://r0:2", "http://static:2"]
+    actors.pop()  # replica:static left
+    assert disc.apply(disc.discover()) == ([], ["http://static:2"])
+    registry.add("http://manual:1")  # never listed by Ray: discovery leaves it alone
     broken.add("replica:0")  # listed but not answering: kept, no flapping
     assert disc.apply(disc.discover()) == ([], [])
     actors.clear()
     assert disc.apply(disc.discover()) == ([], ["http://r0:2"])
-    assert removed == ["http://r0:1", "http://r1:1", "http://r0:2"]
+    assert [w.url for w in registry.all()] == ["http://manual:1"]
     broken.clear()  # a replica first seen while not answering is added once it answers
     actors.append({"name": "replica:9", "namespace": "radixray"})
     urls["replica:9"] = "http://r9:1"

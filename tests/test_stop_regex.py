@@ -87,23 +87,24 @@ def byte_decode(ids):
     return b"".join(BYTES[t] for t in ids).decode(errors="replace")
 
 
-@pytest.mark.parametrize("params", [{"stop": ["→"]}, {"stop_regex": ["→"]},
-                                    {"stop": ["éé"]}, {"stop_regex": [r"y(é|→)"]}])
-def test_stops_made_of_multi_byte_characters(params):
+@pytest.mark.parametrize("field,stop,ids,stops_at", [
+    ("stop", "→", [0, 1, 2, 3, 4], 3),  # x → (three tokens) y
+    ("stop_regex", "→", [0, 1, 2, 3, 4], 3),
+    ("stop", "éé", [0, 5, 6, 5, 6, 4], 4),  # x é é y, two tokens each
+    ("stop_regex", r"y(é|→)", [0, 4, 1, 2, 3], 4),
+])
+def test_stops_made_of_multi_byte_characters(field, stop, ids, stops_at):
     """"→" is three tokens here: the window must count the stop's bytes, not characters."""
-    ids = [0, 1, 2, 3, 4] if "→" in str(params) and "y(" not in str(params) else (
-        [0, 5, 6, 5, 6, 4] if "éé" in str(params) else [0, 4, 1, 2, 3])
     checker = StopChecker(decode=byte_decode)
-    r = Req("r", [0], SamplingParams(max_new_tokens=100, **params))
+    r = Req("r", [0], SamplingParams(max_new_tokens=100, **{field: [stop]}))
     stopped = None
     for i, t in enumerate(ids):
         r.output_ids.append(t)
         if checker.check(r) is not None:
             stopped = i
             break
-    matched = (params.get("stop") or params["stop_regex"])[0]
-    assert stopped == {"→": 3, "éé": 4, "y(é|→)": 4}[matched]
-    assert checker.check(r) == FinishReason.stop(matched)
+    assert stopped == stops_at
+    assert checker.check(r) == FinishReason.stop(stop)
 
 
 def test_min_new_tokens_holds_off_tokens_not_strings():

@@ -87,6 +87,10 @@ def test_streamed_content_never_includes_call_text(parser, text):
      "tool_choice.function.name: 'get_time' is not among the tools"),
     ([{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
      "required", "qwen25", "tools: a function's parameters"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {  # can never finish
+        "type": "object", "required": ["n"], "properties": {"n": {"$ref": "#"}}}}}],
+     "required", "qwen25", "tools: a function's parameters are not a usable JSON schema "
+                           "(ebnf: no finite text"),
 ])
 def test_plan_errors_name_the_field(tools, choice, parser, error):
     with pytest.raises(ValueError, match=f"^{error}".replace("[", r"\[").replace("(", r"\(")):
