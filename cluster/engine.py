@@ -119,6 +119,8 @@ class Engine:
                                    decode=self.tokenizer.decode, vocab_size=mc.vocab_size,
                                    tokenizer=self.tokenizer)
         self.server_args["disable_overlap_schedule"] = not self.scheduler.overlap  # effective
+        self.server_args["enable_hierarchical_cache"] = self.runner.host_pool_tokens > 0
+        self.server_args["host_pool_tokens"] = self.runner.host_pool_tokens
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt=None, input_ids=None, sampling_params=None,

@@ -52,7 +52,8 @@ COUNTERS = {
     "num_requests_total": "Requests finished (any reason).",
     "num_aborted_requests_total": "Requests aborted (client gone, abort call, error).",
     "num_retracted_reqs_total": "Running requests retracted to free KV-cache memory.",
-    "evicted_tokens_total": "Tokens evicted from the radix cache.",
+    "evicted_tokens_total": "Tokens evicted from the radix cache's device tier (also to make "
+                            "room for host-tier loads).",
 }
 
 # SGLang's TTFT buckets start at 0.1 s; tiny models on CPU answer in a few milliseconds, so

@@ -259,7 +259,9 @@ class ReplicaServer:
                 "max_running_requests": group.max_running_requests,
                 "max_context_len": group.max_context_len,
                 "vocab_size": group.info["vocab_size"], "restarts": self.restarts,
-                "disable_overlap_schedule": not scheduler.overlap}  # the effective choice
+                "disable_overlap_schedule": not scheduler.overlap,  # the effective choices
+                "enable_hierarchical_cache": group.host_pool_tokens > 0,
+                "host_pool_tokens": group.host_pool_tokens}
         bos = self.tokenizer.bos_token_id
         engine = InProcessEngine(scheduler, info, health_input_ids=[bos if bos is not None else 0])
         engine.tokenizer = self.tokenizer

@@ -121,7 +121,9 @@ class CacheManager:
         if job is None:
             return False
         req.load = job
-        req.load_range = (req.tree_len, req.tree_len + sum(len(n.key) for n in nodes))
+        # a second load (after one this request waited for) keeps the first one's start
+        start = req.tree_len if req.load_range is None else min(req.load_range[0], req.tree_len)
+        req.load_range = (start, req.tree_len + sum(len(n.key) for n in nodes))
         return True
 
     def lock(self, req: Req) -> None:

@@ -7,6 +7,8 @@ command line can report it as given.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, fields
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority", "routing-key")
@@ -93,7 +95,7 @@ class SchedulerConfig:
         for name in ("hicache_ratio", "hicache_size"):
             value = getattr(self, name)
             check(isinstance(value, (int, float)) and not isinstance(value, bool)
-                  and value >= 0, name, "must be a number >= 0")
+                  and 0 <= value < math.inf, name, "must be a finite number >= 0")
         check(self.hicache_write_policy in WRITE_POLICIES, "hicache_write_policy",
               f"must be one of {', '.join(WRITE_POLICIES)}")
 

@@ -52,6 +52,8 @@ class HiCacheStats:
     store_failures: int = 0  # batches whose stores failed on some rank (count)
     load_failures: int = 0  # batches whose loads failed on some rank (count)
     failed_tokens: int = 0  # host copies dropped because a copy failed
+    failed_batches: int = 0  # batches with a failed store or load (count)
+    load_evicted: int = 0  # device tokens evicted to make room for loads
 
 
 # A host hit shorter than this is recomputed: its load would cost the request a batch of
@@ -153,6 +155,9 @@ class HiRadixCache(TierCopies, RadixCache):
         """Give device node ``node`` a host copy (queue the store); False if the host pool is
         full even after host eviction."""
         size = len(node.key)
+        if size > self.host_allocator.size:  # evicting everything would not make room
+            self.stats.backup_failed += size
+            return False
         short = size - self.host_allocator.available_size()
         if short > 0:
             short -= self._evict_host(short)

@@ -104,7 +104,7 @@ class TierCopies:
         for node in path:
             self._load_of[node] = job
             self._host_evictable.discard(node)
-        self.evict(total - self.allocator.available_size())
+        self.stats.load_evicted += self.evict(total - self.allocator.available_size())
         slots = self.allocator.alloc(total)
         if slots is None:
             self._end_job(job, "failed")
@@ -243,6 +243,7 @@ class TierCopies:
         Mutates: host copies, the tree, both allocators, sizes, locks, job states, stats."""
         self.stats.store_failures += not stores_ok
         self.stats.load_failures += not loads_ok and bool(ticket.loads)
+        self.stats.failed_batches += not stores_ok or (not loads_ok and bool(ticket.loads))
         for node in ticket.stores:
             if self._store_sent.get(node) is not ticket:
                 continue  # its host copy was dropped (or replaced) since

@@ -377,6 +377,8 @@ class Scheduler:
         self.stats.prompt_tokens += req.prompt_len
         self.stats.cached_tokens += req.cached_tokens
         self.stats.host_cached_tokens += req.host_cached_tokens
+        if not self.live:  # the engine stops stepping when idle: reset the estimate now
+            self.ratio.on_idle()
 
     # ------------------------------------------------------------------ introspection
     def check_invariant(self) -> None:

@@ -48,7 +48,7 @@ def scheduler_metrics(sched: "Scheduler") -> dict:
         "num_requests_total": s.num_finished,
         "num_aborted_requests_total": s.num_aborted,
         "num_retracted_reqs_total": s.num_retracted,
-        "evicted_tokens_total": sched.cache.evicted_tokens,
-        "hicache_copy_failures_total": (hi.stats.store_failures + hi.stats.load_failures
-                                        if hi is not None else 0),
+        "evicted_tokens_total": sched.cache.evicted_tokens + (hi.stats.load_evicted
+                                                               if hi is not None else 0),
+        "hicache_copy_failures_total": hi.stats.failed_batches if hi is not None else 0,
     }

@@ -75,6 +75,8 @@ class HostKVPool:
         """The pool, or None (logged) when host memory cannot hold it: the engine then runs
         without the host tier instead of failing to start."""
         if num_tokens <= 0:
+            log.warning("hierarchical cache off: --hicache-ratio/--hicache-size give a host "
+                        "pool of %d tokens", num_tokens)
             return None
         try:
             return cls(num_tokens, *args)
