@@ -65,6 +65,7 @@ class Report:
         self.data[kind].append(entry)
         print(line, flush=True)
         if self.path:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             with open(self.path, "w") as f:
                 json.dump(self.data, f, indent=1)
 

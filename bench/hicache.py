@@ -1,15 +1,16 @@
 """Hierarchical cache benchmark: multi-turn chats whose history outgrows the device KV pool.
 
-    python bench/hicache.py                 # ~1-2 minutes on a 2-core box
+    python bench/hicache.py                 # ~20 s on a quiet 2-core box
     python bench/hicache.py --turns 4       # shorter
 
 Each turn sends every conversation's whole history plus a new user message (one batch through
-the offline Engine), greedy, and appends the reply. By the last turn the histories add up to
-``--history-factor`` x the device pool, so without a second tier most of each history has been
-evicted by the time its conversation comes back and is prefilled again. With
+the offline Engine), greedy, and appends the reply. By the last turn the histories outgrow the
+device pool several times over (``--convs``, ``--user-tokens`` and ``--turns`` against
+``--pool`` set by how much), so without a second tier most of each history has been evicted by
+the time its conversation comes back and is prefilled again. With
 ``--enable-hierarchical-cache`` (host pool ``--hicache-ratio`` x the device pool) it is
-loaded back from host memory instead. Same workload, same process, one run per configuration;
-prints prefill tokens computed, host-hit tokens, forward batches (and how many of them
+loaded back from host memory instead. Same workload, same process, ``--repeat`` runs per
+configuration (the fastest counts); prints prefill tokens computed, host-hit tokens, forward batches (and how many of them
 carried tier copies only: a load is confirmed by the output of the batch that carries it
 before its request runs), wall time and throughput, with ratios.
 Outputs are checked to be identical across configurations. Replies are short by default

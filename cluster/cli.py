@@ -93,7 +93,7 @@ SUBCOMMANDS = {
     "make-model": ("write a tiny random-weight HF model folder with a trained tokenizer",
                    _add_make_model_arguments, _run_make_model),
     "train-demo-model": ("train the built-in demo model (a small Llama) on Python's stdlib "
-                         "sources, ~10-15 minutes on 2 CPU cores",
+                         "sources, ~35 minutes on 2 CPU cores",
                          _add_train_demo_arguments, _run_train_demo),
     "serve": ("serve a model: replicas on Ray (local Ray unless --ray-address) behind the "
               "cache-aware router; OpenAI-compatible and SGLang-native APIs",

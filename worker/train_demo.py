@@ -5,7 +5,7 @@
 The folder is made by ``make_model`` (config, byte-level BPE tokenizer trained on the stdlib,
 chat template), then its weights are replaced by a model trained with HF transformers on the
 same text the tokenizer saw: the top-level ``.py`` files of Python's stdlib, so no download is
-needed. Defaults take ~10-15 minutes on 2 CPU cores and give a ~4 MB float16 checkpoint that
+needed. Defaults take ~35 minutes on 2 CPU cores and give a ~4 MB float16 checkpoint that
 both transformers and radixray's own Llama load. The committed copy lives in ``demo_model/``
 next to this file; ``ensure_default_model`` serves it.
 
