@@ -178,6 +178,16 @@ def missing_resources(cluster: dict, device: str, ranks: int) -> str | None:
     return ", ".join(short) or None
 
 
+def discovery_args(ray) -> list[str]:
+    """The router's flags to watch this driver's Ray cluster; none when its GCS address is not
+    known here (a Ray Client connection): the router then keeps the start-up URLs."""
+    try:
+        address = ray.get_runtime_context().gcs_address
+    except Exception:  # noqa: BLE001 - any failure only costs discovery
+        return []
+    return ["--ray-address", address] if address else []
+
+
 def server_args_from(args: argparse.Namespace) -> dict:
     """The engine's server arguments (SGLang names) from parsed flags."""
     server_args = {name: getattr(args, name) for name in _SCHEDULER_FLAGS}
@@ -259,11 +269,11 @@ def run_serve(args: argparse.Namespace) -> int:
         urls = ray.get([r.get_url.remote() for r in replicas])
         print(f"radixray: {len(urls)} replica(s) ready: {' '.join(urls)}", flush=True)
         # The router starts with the replicas' URLs and also watches Ray: a head that Ray
-        # restarts where its port is taken serves on another one, which discovery adds.
+        # restarts elsewhere, or where its port is taken, serves at another URL.
         router = subprocess.Popen([
             sys.executable, "-m", "radixray.router", "--host", args.host, "--port",
             str(args.port), "--policy", args.router_policy, "--worker-urls", *urls,
-            "--ray-address", ray.get_runtime_context().gcs_address],
+            *discovery_args(ray)],
             preexec_fn=_die_with_parent(), env=router_env(args.api_key))
         print(f"radixray serving {args.served_model_name or model_path} at "
               f"http://{args.host}:{args.port} (router; OpenAI API under /v1, SGLang native "

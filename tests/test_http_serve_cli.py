@@ -82,6 +82,10 @@ def test_serve_without_model_uses_the_default_model(tiny_llama_path, tmp_path):
         r = httpx.post(url + "/v1/completions", json={"model": tiny_llama_path, "prompt": "def",
                                                       "max_tokens": 4}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        # the router also watches Ray: discovery finds the replica and follows it from now on
+        while httpx.get(url + "/workers", timeout=10).json()["workers"][0]["source"] != "ray":
+            assert time.monotonic() < deadline + 30, "Ray discovery never found the replica"
+            time.sleep(0.5)
         # --debug-invariants checked the memory invariant after every step; a violation
         # would have failed the engine and with it the health check
         assert httpx.get(url + "/health", timeout=10).status_code == 200
