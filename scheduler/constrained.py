@@ -133,8 +133,9 @@ class ConstrainedDecoding:
         states = [r.grammar for r in batch.reqs]
         if any(s is not None for s in states):
             mask = batch.forward_batch.vocab_mask = self.fill(states)
+            empty = (mask == 0).all(dim=1).tolist()  # one pass over the batch
             for i, state in enumerate(states):
-                if state is not None and not bool(mask[i].any()):
+                if state is not None and empty[i]:
                     # A dead end the grammar let the model into (xgrammar does not look
                     # ahead): the sampler cannot draw from an empty row, so it draws the
                     # stop token (invisible in the text) and on_token ends the request.

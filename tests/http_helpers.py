@@ -75,6 +75,20 @@ def serving_fixtures(**server_args):
     return engine, server
 
 
+def client_fixture():
+    """A per-test fixture ``client``: an httpx client on ``server`` (from serving_fixtures);
+    after the test, the scheduler must be idle with its memory invariant holding. Write
+    ``client = client_fixture()`` in a module."""
+
+    @pytest.fixture
+    def client(server, engine):
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            yield c
+        wait_idle(engine)
+
+    return client
+
+
 def wait_idle(engine: InProcessEngine, timeout: float = 10.0) -> None:
     """Wait until the scheduler has no live request, then check its memory invariant."""
     deadline = time.monotonic() + timeout

@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from http_helpers import (MODEL_NAME, ServerThread, make_engine, post_stream, serving_fixtures,
-                          wait_idle)
+from http_helpers import (MODEL_NAME, ServerThread, client_fixture, make_engine, post_stream,
+                          serving_fixtures, wait_idle)
 
 LONG = {"max_new_tokens": 1500, "ignore_eos": True}
 
@@ -20,11 +20,7 @@ LONG = {"max_new_tokens": 1500, "ignore_eos": True}
 engine, server = serving_fixtures()
 
 
-@pytest.fixture
-def client(server, engine):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
-    wait_idle(engine)
+client = client_fixture()
 
 
 TOO_LONG = [10 + i % 2000 for i in range(2090)]  # the tiny model's context: 2048 tokens

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from http_helpers import MODEL_NAME, post_stream, serving_fixtures, wait_idle
+from http_helpers import MODEL_NAME, client_fixture, post_stream, serving_fixtures, wait_idle
 from radixray.router.config import CACHE_EPOCH_HEADER
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12}
@@ -21,11 +21,7 @@ GREEDY = {"temperature": 0, "max_new_tokens": 12}
 engine, server = serving_fixtures()
 
 
-@pytest.fixture
-def client(server, engine):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
-    wait_idle(engine)
+client = client_fixture()
 
 
 @pytest.fixture(scope="module")

@@ -128,7 +128,7 @@ def test_a_taken_replica_port_fails_serve_instead_of_hanging(tiny_llama_path):
     assert f"port {port} is already in use" in r.stderr, r.stderr
 
 
-def test_too_few_resources_on_a_local_cluster_fail_at_once():
+def test_missing_resources_names_what_the_ranks_lack():
     from radixray.cluster.serve import missing_resources
 
     assert missing_resources({"CPU": 2.0}, "cpu", 4) == "4 CPU"

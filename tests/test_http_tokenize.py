@@ -3,20 +3,15 @@
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
-from http_helpers import MODEL_NAME, serving_fixtures, wait_idle
+from http_helpers import MODEL_NAME, client_fixture, serving_fixtures
 from router_helpers import start_router
 
 engine, server = serving_fixtures()
 
 
-@pytest.fixture
-def client(server, engine):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
-    wait_idle(engine)
+client = client_fixture()
 
 
 def test_tokenize_gives_the_ids_generate_uses(client, server):
