@@ -59,6 +59,10 @@ if rank == 0:
     worker.stop()
 else:
     print("steps", worker.follow(), flush=True)
+# leave together: a rank exiting while its peer still reads the group can abort the peer
+import torch.distributed as dist
+dist.barrier()
+dist.destroy_process_group()
 """
 
 
