@@ -17,6 +17,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
+from ..router.config import RESTARTING_HEADER
 from ..router.disconnect import until_disconnect as await_unless_disconnected
 from ..scheduler.request import MAX_SEED
 from .detokenizer import IncrementalDetokenizer
@@ -27,13 +28,26 @@ class APIError(Exception):
     """An error the client caused (or must hear about); the server formats it per API."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | int | None = None, err_type: str | None = None):
+                 code: str | int | None = None, err_type: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
+        self.headers = headers
         self.message = message
         self.param = param
         self.code = code if code is not None else status
         self.err_type = err_type or ("BadRequestError" if status == 400 else "Error")
+
+
+class EngineRestarting(RuntimeError):
+    """Raised instead of generating while a replica swaps in fresh ranks (cluster/replica.py)."""
+
+
+def unavailable(e: RuntimeError) -> APIError:
+    """The 503 for an engine that is not running. A restarting replica's carries
+    ``RESTARTING_HEADER``: the router then knows the replica is not broken."""
+    headers = {RESTARTING_HEADER: "1"} if isinstance(e, EngineRestarting) else None
+    return APIError(503, str(e), err_type="ServiceUnavailableError", headers=headers)
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -242,7 +256,7 @@ async def run_request(ctx: ServingContext, req: GenerateRequest,
             except ValueError as e:  # the engine rejected the request; the message names the field
                 raise bad_request(str(e), param=str(e).partition(":")[0]) from None
             except RuntimeError as e:  # the engine is not running
-                raise APIError(503, str(e), err_type="ServiceUnavailableError") from None
+                raise unavailable(e) from None
             ctx.waiting.discard(req.rid)
             state.apply(out)
             if prompt_hit is not None:
@@ -327,7 +341,7 @@ async def prefill_only(ctx: ServingContext, req: GenerateRequest,
     except ValueError as e:  # refused by the engine: the message names the field
         raise bad_request(str(e), param=str(e).partition(":")[0]) from None
     except RuntimeError as e:  # the engine is not running
-        raise APIError(503, str(e), err_type="ServiceUnavailableError") from None
+        raise unavailable(e) from None
     finally:
         for rid in copies:
             ctx.warmups.pop(rid, None)

@@ -171,7 +171,8 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):
-        return JSONResponse(error_body(request.url.path, err), status_code=err.status)
+        return JSONResponse(error_body(request.url.path, err), status_code=err.status,
+                            headers=err.headers)
 
     @app.exception_handler(HTTPException)  # no such route (404) or method (405)
     async def _http_error(request: Request, exc: HTTPException):

@@ -36,6 +36,7 @@ from ..worker.model_runner import RunnerConfig
 from .async_engine import InProcessEngine
 from .engine import split_server_args
 from .engine_protocol import GenerateRequest, TokenOutput
+from .generation import EngineRestarting, unavailable
 from .tp_worker import free_port
 from .worker_group import (WorkerGroup, WorkerGroupError, bundle_node_id, remove_placement_groups,
                            reserve_rank_bundles, resolve_device)
@@ -103,6 +104,9 @@ def runner_config(model_path: str, config: SchedulerConfig, runner_args: dict) -
         hicache_ratio=config.hicache_ratio, hicache_size=config.hicache_size)
 
 
+RESTARTING_MESSAGE = "replica is restarting"  # its 503 also carries RESTARTING_HEADER
+
+
 class SwappableEngine:
     """The EngineClient the HTTP app holds; forwards to the replica's current engine, which the
     supervisor replaces after a restart. No engine (restarting): requests get a 503."""
@@ -112,7 +116,7 @@ class SwappableEngine:
 
     def _engine(self) -> InProcessEngine:
         if not self.ready:
-            raise RuntimeError("replica is restarting")
+            raise EngineRestarting(RESTARTING_MESSAGE)
         return self.current
 
     @property
@@ -156,12 +160,12 @@ class RestartGate:
     def __init__(self, app, engine: SwappableEngine):
         from fastapi.responses import JSONResponse
 
-        from .generation import APIError
         from .http_server import error_body
 
         self.app, self.engine = app, engine
-        err = APIError(503, "replica is restarting", err_type="ServiceUnavailableError")
-        self.answers = {path: JSONResponse(error_body(path, err), status_code=503)
+        err = unavailable(EngineRestarting(RESTARTING_MESSAGE))
+        self.answers = {path: JSONResponse(error_body(path, err), status_code=503,
+                                           headers=err.headers)
                         for path in GENERATION_PATHS}
 
     async def __call__(self, scope, receive, send):

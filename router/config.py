@@ -13,6 +13,10 @@ WORKER_API_KEY_ENV = "RADIXRAY_WORKER_API_KEY"
 # Sent by a replica on every answer: changes whenever its radix cache is emptied (restart, flush),
 # so the router forgets the prefixes it believed cached there.
 CACHE_EPOCH_HEADER = "x-radixray-cache-epoch"
+# Sent by a replica on the 503 it answers while it swaps in fresh ranks: it is not broken, only
+# unavailable until its new engine passes a health check (the router then stops sending it
+# traffic without counting the answer against its circuit breaker).
+RESTARTING_HEADER = "x-radixray-restarting"
 # Error "type" by status, as the replicas and SGLang name them (router and replica answer alike)
 ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
                429: "TooManyRequests", 502: "BadGatewayError", 503: "ServiceUnavailableError"}

@@ -36,9 +36,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .config import CACHE_EPOCH_HEADER
+from .config import CACHE_EPOCH_HEADER, RESTARTING_HEADER
 from .request import request_text
-from .retry import RESTARTING_MESSAGE
 from .tree import ApproxRadixTree
 
 
@@ -81,11 +80,11 @@ class FakeWorker:
         """A replica's answer to a generation request while it restarts (cluster/replica.py
         RestartGate), in its error shape for ``path``."""
         if path.startswith("/v1/"):
-            body = {"object": "error", "message": RESTARTING_MESSAGE,
+            body = {"object": "error", "message": "replica is restarting",
                     "type": "ServiceUnavailableError", "param": None, "code": 503}
         else:
-            body = {"error": {"message": RESTARTING_MESSAGE, "code": 503, "param": None}}
-        return JSONResponse(body, status_code=503)
+            body = {"error": {"message": "replica is restarting", "code": 503, "param": None}}
+        return JSONResponse(body, status_code=503, headers={RESTARTING_HEADER: "1"})
 
     # The answer is deterministic in the prompt, so a direct and a routed request match byte
     # for byte (no timestamps or random ids in it).

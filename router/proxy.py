@@ -220,7 +220,7 @@ class Proxy:
         return Failure("protocol", f"{type(exc).__name__}: {exc}")
 
     def _status_failure(self, worker: Worker, status: int, answer: Response) -> Failure:
-        if is_restarting(status, answer.body):
+        if is_restarting(status, answer.headers):
             # Deliberate, not broken: counted as failures, a restart's few answers would open
             # the circuit of a replica about to serve again. Its new engine is not there yet,
             # so it gets no traffic until a health check passes (which also sees the new cache

@@ -12,6 +12,8 @@ import time
 import httpx
 import pytest
 
+from radixray.router.retry import is_restarting
+
 pytestmark = pytest.mark.ray
 PROMPT = list(range(40, 90))
 
@@ -85,7 +87,7 @@ def test_streams_to_a_restarting_replica_are_503s(replica):
     for path, body in streamed.items():
         r = httpx.post(f"{url}{path}", json=body, timeout=30)
         assert r.status_code == 503, (path, r.status_code, r.text)
-        assert "restarting" in r.text
+        assert "restarting" in r.text and is_restarting(r.status_code, r.headers)
     _wait_healthy(url)
     r = httpx.post(f"{url}/generate", timeout=30,
                    json={"input_ids": PROMPT, "sampling_params": _sampling(4), "stream": True})

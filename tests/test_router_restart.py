@@ -9,7 +9,7 @@ import time
 import pytest
 
 from radixray.router.circuit import CLOSED, HALF_OPEN, OPEN
-from radixray.router.config import RouterConfig
+from radixray.router.config import RESTARTING_HEADER, RouterConfig
 from radixray.router.retry import is_restarting
 from radixray.router.workers import WorkerRegistry
 from router_helpers import start_fakes, start_router
@@ -37,15 +37,40 @@ def open_circuit(client, router, fake, url):
     fake.fail_status = None
 
 
-def test_the_restarting_marker_is_the_replicas_message_in_either_error_shape():
-    native = b'{"error": {"message": "replica is restarting", "code": 503, "param": null}}'
-    openai = (b'{"object": "error", "message": "replica is restarting", '
-              b'"type": "ServiceUnavailableError", "param": null, "code": 503}')
-    assert is_restarting(503, native) and is_restarting(503, openai)
-    assert not is_restarting(500, native)  # only the 503 the replica sends
-    assert not is_restarting(503, b'{"error": {"message": "engine shut down"}}')  # a crash
-    assert not is_restarting(503, b"replica is restarting")  # not the replica's shape
-    assert not is_restarting(503, b'["replica is restarting"]')
+def test_the_restarting_marker_is_the_replicas_header():
+    assert is_restarting(503, {RESTARTING_HEADER: "1"})
+    assert not is_restarting(500, {RESTARTING_HEADER: "1"})  # only the 503 the replica sends
+    # a crash, or another server's overload, with the replica's words but not its header
+    assert not is_restarting(503, {"content-type": "application/json"})
+
+
+@pytest.mark.parametrize("gate, route, body", [
+    (True, "/generate", {"text": "hello"}),
+    (True, "/generate", {"text": "hello", "stream": True}),
+    (True, "/v1/completions", {"model": "m", "prompt": "hello", "stream": True}),
+    (True, "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+    # without the gate: the engine went away after the gate let the request in (a stream
+    # would have sent its 200 by then, which is why the gate exists)
+    (False, "/generate", {"text": "hello"}),
+    (False, "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+])
+def test_a_replica_without_an_engine_sends_the_marker(tiny_llama_path, gate, route, body):
+    """Both ways a restarting replica answers. The real app, the real tokenizer; only the engine
+    is missing."""
+    from fastapi.testclient import TestClient
+    from transformers import AutoTokenizer
+
+    from radixray.cluster.http_server import ServerArgs, create_app
+    from radixray.cluster.replica import RestartGate, SwappableEngine
+
+    engine = SwappableEngine()  # no engine yet, as between a rank's death and its new engine
+    app = create_app(engine, AutoTokenizer.from_pretrained(tiny_llama_path),
+                     ServerArgs(model_path=tiny_llama_path, served_model_name="m"))
+    client = TestClient(RestartGate(app, engine) if gate else app)
+    r = client.post(route, json=body)
+    assert r.status_code == 503 and "replica is restarting" in r.text
+    assert is_restarting(r.status_code, r.headers)
+    assert not is_restarting(client.get("/health").status_code, client.get("/health").headers)
 
 
 @pytest.mark.parametrize("route, body", [
