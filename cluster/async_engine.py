@@ -40,7 +40,6 @@ class InProcessEngine:
         self._inbox: deque[tuple] = deque()
         self._cond = threading.Condition()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._submitted_at: dict[str, float] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.failure: BaseException | None = None
@@ -203,10 +202,9 @@ class InProcessEngine:
                 # output, which only step() hands out (with nothing to run it does no forward).
                 busy = s.has_work
                 if busy or commands:
-                    started = time.perf_counter()
                     outputs = s.step()
                     self.steps += busy
-                    self._dispatch(outputs, started)
+                    self._dispatch(outputs)
                 self._stats = self._snapshot()
         except Exception as e:  # keep nobody waiting; the engine is unusable after this
             self.failure = e
@@ -225,7 +223,6 @@ class InProcessEngine:
                 loop.call_soon_threadsafe(queue.put_nowait, e)
                 return
             self._sinks[req.rid] = (loop, queue)
-            self._submitted_at[req.rid] = time.perf_counter()
         elif kind == "abort":
             rid, only = command[1], command[2] if len(command) > 2 else None
             if only is None or self.scheduler.live.get(rid) is only:
@@ -237,16 +234,14 @@ class InProcessEngine:
             except Exception as e:
                 future.set_exception(e)
 
-    def _dispatch(self, outputs: list[RequestOutput], step_started: float) -> None:
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """Hand outputs to their requests' queues: one thread-safe call per event loop."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             sink = self._sinks.get(out.rid)
             if sink is None:
                 continue
-            submitted = self._submitted_at.pop(out.rid, None)
-            token_out = to_token_output(out, None if submitted is None
-                                        else max(step_started - submitted, 0.0))
+            token_out = to_token_output(out)
             if out.finished:
                 del self._sinks[out.rid]
             by_loop.setdefault(sink[0], []).append((sink[1], token_out))
@@ -295,7 +290,7 @@ def _deliver(items: list[tuple[asyncio.Queue, TokenOutput]]) -> None:
         queue.put_nowait(item)
 
 
-def to_token_output(out: RequestOutput, queue_time: float | None) -> TokenOutput:
+def to_token_output(out: RequestOutput) -> TokenOutput:
     return TokenOutput(
         rid=out.rid, new_token_ids=list(out.new_token_ids), finished=out.finished,
         finish_reason=out.finish_reason.to_dict() if out.finish_reason else None,
@@ -305,4 +300,4 @@ def to_token_output(out: RequestOutput, queue_time: float | None) -> TokenOutput
         output_token_logprobs=list(out.output_token_logprobs),
         output_top_logprobs=list(out.output_top_logprobs),
         input_token_logprobs=out.input_token_logprobs,
-        input_top_logprobs=out.input_top_logprobs, queue_time=queue_time)
+        input_top_logprobs=out.input_top_logprobs, queue_time=out.queue_time)

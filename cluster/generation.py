@@ -229,17 +229,29 @@ class Session:
             self.ctx.live.pop(self.client_rid, None)
 
 
+@dataclass(frozen=True)
+class Warmup:
+    """A prompt's warm-up (n > 1): the request's real arrival, queue time and cache hit, which
+    its copies report instead of their own (the warm-up made their hit and their wait)."""
+
+    started: float
+    queue_time: float | None
+    cached: int
+    host_cached: int
+
+
 async def run_request(ctx: ServingContext, req: GenerateRequest,
-                      prompt_hit: tuple[int, int] | None = None) -> AsyncIterator[RequestState]:
+                      warmup: Warmup | None = None) -> AsyncIterator[RequestState]:
     """Submit ``req`` and yield its state after each output, the last one finished. Leaving the
     loop early (or a stop string) closes the engine stream, which aborts the request.
-    ``prompt_hit``: (cached, host-cached) tokens of its prompt's warm-up (n > 1), reported
-    instead of its own hit, which the warm-up made."""
+    ``warmup``: its prompt's warm-up (n > 1), whose timings and cache hit it reports."""
     sp = req.sampling_params
     state = RequestState(req, IncrementalDetokenizer(
         ctx.tokenizer, skip_special_tokens=sp.skip_special_tokens, stop=sp.stop,
         no_stop_trim=sp.no_stop_trim, stop_regex=sp.stop_regex,
         spaces_between_special_tokens=sp.spaces_between_special_tokens))
+    if warmup is not None:
+        state.start = warmup.started
     if req.rid in ctx.aborted:  # aborted while it waited for its warm-up: never submitted
         ctx.waiting.discard(req.rid)
         state.prompt_tokens = len(req.input_ids)
@@ -259,8 +271,9 @@ async def run_request(ctx: ServingContext, req: GenerateRequest,
                 raise unavailable(e) from None
             ctx.waiting.discard(req.rid)
             state.apply(out)
-            if prompt_hit is not None:
-                state.cached_tokens, state.host_cached_tokens = prompt_hit
+            if warmup is not None:
+                state.cached_tokens, state.host_cached_tokens = warmup.cached, warmup.host_cached
+                state.queue_time = warmup.queue_time
             yield state
             if state.finished:
                 break
@@ -278,7 +291,7 @@ async def run_request(ctx: ServingContext, req: GenerateRequest,
 
 
 async def run_many(ctx: ServingContext, reqs: list[GenerateRequest],
-                   prompt_hits: list[tuple[int, int] | None] | None = None
+                   warmups: list[Warmup | None] | None = None
                    ) -> AsyncIterator[tuple[int, RequestState]]:
     """Run several requests at once; yield (index into ``reqs``, state) in arrival order.
     Each request waits for its state to be consumed before folding in its next output, so a
@@ -288,8 +301,8 @@ async def run_many(ctx: ServingContext, reqs: list[GenerateRequest],
 
     async def pump(i: int, req: GenerateRequest) -> None:
         try:
-            hit = prompt_hits[i] if prompt_hits is not None else None
-            async with aclosing(run_request(ctx, req, hit)) as states:
+            warmup = warmups[i] if warmups is not None else None
+            async with aclosing(run_request(ctx, req, warmup)) as states:
                 async for state in states:
                     consumed = asyncio.Event()
                     await queue.put((i, state, consumed))
@@ -317,13 +330,13 @@ async def run_many(ctx: ServingContext, reqs: list[GenerateRequest],
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def prefill_only(ctx: ServingContext, req: GenerateRequest,
-                       copies: list[str]) -> tuple[int, int] | None:
+async def prefill_only(ctx: ServingContext, req: GenerateRequest, copies: list[str],
+                       started: float) -> Warmup | None:
     """Compute ``req``'s prompt into the radix cache (max_new_tokens 0), so its ``copies``
     (rids; n > 1) submitted after it reuse its KV instead of each computing the prompt. The
     warm-up's rid is unique (a client's rid can never collide with it), and aborting any copy
-    aborts it. Returns the prompt's real cache hit (cached, host-cached tokens), None if the
-    warm-up did not run."""
+    aborts it. Returns its timings from ``started`` (the request's arrival) and the prompt's
+    real cache hit; None if the warm-up did not run."""
     if ctx.aborted.intersection(copies):
         return None
     warm = replace(req, rid=new_rid(req.rid + "-prefill-"), return_logprob=False,
@@ -337,7 +350,8 @@ async def prefill_only(ctx: ServingContext, req: GenerateRequest,
             async for out in outputs:
                 # capped as a generating request's: it recomputes the prompt's last token
                 cached = min(out.cached_tokens, len(req.input_ids) - 1)
-                hit = (cached, min(out.host_cached_tokens, cached))
+                hit = Warmup(started, out.queue_time, cached,
+                             min(out.host_cached_tokens, cached))
     except ValueError as e:  # refused by the engine: the message names the field
         raise bad_request(str(e), param=str(e).partition(":")[0]) from None
     except RuntimeError as e:  # the engine is not running
@@ -354,13 +368,20 @@ async def run_all(ctx: ServingContext, firsts: list[GenerateRequest],
     computed once into the radix cache first, so its copies share that KV; they report the
     warm-up's cache hit as theirs (the prompt's real one, not the hit the warm-up gave them)."""
     flat = [r for group in copies for r in group]
-    hits = None
-    if len(flat) > len(firsts):
-        hits = []
-        for req, group in zip(firsts, copies, strict=True):
-            hit = await prefill_only(ctx, req, [r.rid for r in group])
-            hits += [hit] * len(group)
-    async with aclosing(run_many(ctx, flat, hits)) as updates:
+    warmups = None
+    if len(flat) > len(firsts):  # the prompts' warm-ups run together, as one batch would
+        started = time.perf_counter()
+        tasks = [asyncio.ensure_future(prefill_only(ctx, req, [r.rid for r in group], started))
+                 for req, group in zip(firsts, copies, strict=True)]
+        try:
+            done = await asyncio.gather(*tasks)
+        except BaseException:  # one failed, or the client left: the others stop too
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        warmups = [w for w, group in zip(done, copies) for _ in group]
+    async with aclosing(run_many(ctx, flat, warmups)) as updates:
         async for i, state in updates:
             yield i, state
 

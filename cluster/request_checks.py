@@ -30,6 +30,11 @@ def check_sampling_params(sp: SamplingParams, vocab_size: int | None,
         for name in ("regex", "json_schema", "ebnf"):
             if getattr(sp, name) is not None and not isinstance(getattr(sp, name), str):
                 raise ValueError(f"{name}: must be a string")
+        for name in ("stop", "stop_regex", "regex", "json_schema", "ebnf"):
+            value = getattr(sp, name)
+            for text in [value] if isinstance(value, str) else value or ():
+                if isinstance(text, str) and not _is_utf8(text):
+                    raise ValueError(f"{name}: not valid Unicode text (a lone surrogate)")
         if isinstance(sp.json_schema, str):
             try:
                 json.loads(sp.json_schema)
@@ -57,6 +62,14 @@ def check_lengths(prompt_len: int, max_new_tokens: int, context_len: int, prompt
         raise bad_request(f"{max_field}: {max_new_tokens} new tokens after a {prompt_len}-token "
                           f"prompt exceed the context length of {context_len} tokens",
                           param=max_field)
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def check_text(text: str, field_name: str) -> None:

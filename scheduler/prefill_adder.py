@@ -15,6 +15,7 @@ budget must already count everything the batch will take.
 
 from __future__ import annotations
 
+import time
 from enum import Enum
 
 from .cache_manager import CacheManager
@@ -59,6 +60,8 @@ class PrefillAdder:
 
     def _admit(self, req: Req, extend_len: int, reserve: int) -> None:
         req.extend_len = extend_len
+        if req.queue_time is None:
+            req.queue_time = time.perf_counter() - req.submitted_at
         self.can_run.append(req)
         self.reserved += self._page_ceil(extend_len) + reserve
         self.rem_input_tokens -= extend_len

@@ -19,6 +19,7 @@ A forward that reaches ``total_len`` samples a real next token; one that stops s
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -99,6 +100,10 @@ class Req:
         self.routing_key = routing_key
         self.extra_key = extra_key
         self.arrival = next(_arrival_counter)  # FCFS order, kept across retractions
+        # Seconds from submission until a prefill batch first took the request (its first
+        # chunk, not its first token): the queue time the metrics report. None while it waits.
+        self.submitted_at = time.perf_counter()
+        self.queue_time: float | None = None
 
         self.output_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
@@ -231,6 +236,7 @@ class RequestOutput:
     cached_tokens: int
     completion_tokens: int
     host_cached_tokens: int = 0  # of cached_tokens, those loaded from the host tier
+    queue_time: float | None = None  # see Req.queue_time
     # New entries this step (only with return_logprob): (logprob, token id).
     output_token_logprobs: list[LogprobEntry] = field(default_factory=list)
     output_top_logprobs: list[list[LogprobEntry]] = field(default_factory=list)

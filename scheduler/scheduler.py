@@ -361,7 +361,8 @@ class Scheduler:
     def _emit(self, req: Req, new_ids: list[int], output: ForwardOutput | None = None,
               i: int = 0, input_logprobs_done: bool = False) -> None:
         out = RequestOutput(req.rid, new_ids, req.finished, req.finish_reason, req.prompt_len,
-                            req.cached_tokens, len(req.output_ids), req.host_cached_tokens)
+                            req.cached_tokens, len(req.output_ids), req.host_cached_tokens,
+                            req.queue_time)
         attach_logprobs(out, req, new_ids, output, i, input_logprobs_done)
         self._outputs.append(out)
 

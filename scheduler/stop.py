@@ -82,12 +82,21 @@ class StopChecker:
 
     def check(self, req: Req) -> FinishReason | None:
         """Why ``req`` is finished after its newest token, or None. Reads only; the caller sets
-        ``req.finish_reason``. In SGLang's order: length first, then tokens, then strings."""
+        ``req.finish_reason``. A stop token or string completed by the last allowed token is a
+        stop, not a length finish (OpenAI's and vLLM's meaning; SGLang checks length first): the
+        HTTP detokenizer, which finds stop strings in the full text, reports the same.
+
+        Runs in the scheduler's loop, where an exception would stop the engine and fail every
+        request: stop parameters that the API's checks let through but that fail here (a
+        string that is not valid Unicode, say) end only their own request, with a 400."""
+        try:
+            return self._check(req)
+        except Exception as e:  # noqa: BLE001 (any failure here is this request's own)
+            return FinishReason.abort(f"stop: cannot check this request's stop conditions "
+                                      f"({type(e).__name__}: {e})", status_code=400)
+
+    def _check(self, req: Req) -> FinishReason | None:
         sp, out = req.sampling_params, req.output_ids
-        if len(out) >= sp.max_new_tokens:
-            return FinishReason.of_length(len(out))
-        if self.max_context_len is not None and req.total_len >= self.max_context_len:
-            return FinishReason.of_length(len(out))
         last = out[-1]
         if len(out) >= sp.min_new_tokens and (
                 last in sp.stop_token_ids or (not sp.ignore_eos and last in self.eos_token_ids)):
@@ -105,6 +114,10 @@ class StopChecker:
             for p in sp.stop_regex:
                 if compile_stop_regex(p).search(tail):
                     return FinishReason.stop(p)
+        if len(out) >= sp.max_new_tokens:
+            return FinishReason.of_length(len(out))
+        if self.max_context_len is not None and req.total_len >= self.max_context_len:
+            return FinishReason.of_length(len(out))
         return None
 
 

@@ -339,7 +339,7 @@ def test_http_meta_info_splits_cached_tokens(tiny_llama_path):
     state = RequestState(GenerateRequest("r", [5, 6, 7, 8], SamplingParams()),
                          IncrementalDetokenizer(tokenizer))
     state.apply(to_token_output(RequestOutput("r", [9], True, FinishReason.of_length(1), 4, 3,
-                                              1, host_cached_tokens=2), None))
+                                              1, host_cached_tokens=2)))
     meta = native_result(state, tokenizer, False)["meta_info"]
     assert meta["cached_tokens"] == 3 and meta["cached_tokens_details"] == {"device": 1, "host": 2}
 

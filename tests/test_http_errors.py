@@ -71,6 +71,11 @@ BAD_INPUTS = [
     ("/v1/chat/completions",
      b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud83d"}]}', 400,
      "messages[0].content: not valid Unicode text"),
+    # a stop string the scheduler could not encode stopped the engine (503 for everyone)
+    ("/generate", b'{"text": "a", "sampling_params": {"stop": "\\ud800"}}', 400,
+     "stop: not valid Unicode text"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "a", "stop": ["x", "\\udc80"]}', 400,
+     "stop: not valid Unicode text"),
     ("/generate", {"text": "a", "sampling_params": {"top_p": 0}}, 400, "top_p: must be in (0, 1]"),
     ("/generate", {"text": "a", "sampling_params": {"top_p": 1.5}}, 400, "top_p"),
     ("/generate", {"text": "a", "sampling_params": {"regex": "a+", "json_schema": "{}"}}, 400,

@@ -242,3 +242,24 @@ def test_a_request_done_on_its_first_token_leaves_the_running_set():
     assert "a" not in [r.rid for r in sched.running]
     assert sched.metrics()["num_running_reqs"] == len(sched.running) <= 1
     run(sched)
+
+
+def test_queue_time_ends_when_the_first_chunk_is_scheduled():
+    """Queue time is the wait before the first prefill chunk. It was measured up to the first
+    token, so a chunked prompt on an idle server reported its whole prefill as queueing."""
+    import time
+
+    sched, runner = make(chunked_prefill_size=8)
+    forward = runner.forward
+
+    def slow_forward(batch):
+        time.sleep(0.05)
+        return forward(batch)
+
+    runner.forward = slow_forward
+    submitted = time.perf_counter()
+    results = run(sched, [req("a", list(range(1, 81)), 2)])  # 10 chunks of 8 tokens
+    first = next(out for out in results["a"].outputs if out.new_token_ids)
+    assert time.perf_counter() - submitted >= 10 * 0.05
+    assert first.queue_time is not None and first.queue_time < 0.25
+    assert all(out.queue_time == first.queue_time for out in results["a"].outputs)

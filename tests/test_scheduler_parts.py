@@ -208,7 +208,9 @@ def test_stop_checker_order_and_limits():
     checker = StopChecker(eos_token_ids=[9], decode=None, max_context_len=10)
     r = req("a", [1, 2, 3], 3)
     r.output_ids += [4, 5, 9]
-    assert checker.check(r) == FinishReason.of_length(3)  # length wins over EOS, as SGLang
+    assert checker.check(r) == FinishReason.stop(9)  # EOS as the last allowed token: a stop
+    r.output_ids[-1] = 6
+    assert checker.check(r) == FinishReason.of_length(3)
     r = req("b", [1, 2, 3], 10)
     r.output_ids += [4, 9]
     assert checker.check(r) == FinishReason.stop(9)
@@ -218,10 +220,25 @@ def test_stop_checker_order_and_limits():
     r = req("d", [1] * 8, 10)
     r.output_ids += [4, 5]
     assert checker.check(r) == FinishReason.of_length(2)  # hit the context length
-    with pytest.raises(ValueError, match="^stop: "):
-        r = req("e", [1], 10, stop=["x"])
-        r.output_ids.append(3)
-        checker.check(r)
+    r = req("e", [1], 10, stop=["x"])  # stop strings but no tokenizer: only this request ends
+    r.output_ids.append(3)
+    assert checker.check(r) == FinishReason.abort(
+        "stop: cannot check this request's stop conditions (ValueError: stop: stop strings "
+        "need a tokenizer to decode with)", status_code=400)
+
+
+def test_a_stop_string_that_fails_in_the_check_ends_only_its_request():
+    """A lone surrogate that reached the scheduler (the offline Engine, or a check the API
+    missed) raised inside the loop: the engine stopped and every request failed."""
+    checker = StopChecker(decode=lambda ids: "".join(map(chr, ids)))
+    r = req("a", [1], 10, stop=["\ud800"])
+    r.output_ids.append(65)
+    reason = checker.check(r)
+    assert reason.type == "abort" and reason.status_code == 400
+    assert "UnicodeEncodeError" in reason.message
+    r = req("b", [1], 2, stop=["BC"])  # completed by the last allowed token: a stop
+    r.output_ids += [66, 67]
+    assert checker.check(r) == FinishReason.stop("BC")
 
 
 def test_visible_output_ids_drop_a_matched_stop_token():
