@@ -93,8 +93,10 @@ class IncrementalDetokenizer:
         # A stop cannot begin before `sent`: any text that could begin one was held back.
         found = find_stop(self._decoded, sent, self.stop, self.stop_regex)
         if found is not None:
-            pos, stop_end, self.matched_stop = found
-            end = stop_end if self.no_stop_trim else pos
+            pos, _, self.matched_stop = found
+            # no_stop_trim keeps all the text decoded so far, the rest of the token that
+            # completed the stop included (as SGLang, and the offline Engine, return it)
+            end = len(self._decoded) if self.no_stop_trim else pos
         elif not final:
             end -= self._holdback(sent)
         piece = self._decoded[sent:end]

@@ -138,8 +138,8 @@ class Engine:
             raise RuntimeError("the engine has been shut down")
         single, ids = self._token_ids(prompt, input_ids)
         count = len(ids)
-        params = _per_request(sampling_params, count, "sampling_params", dict)
-        params = [SamplingParams.from_dict(p) for p in params]
+        raw_params = _per_request(sampling_params, count, "sampling_params", dict)
+        params = [SamplingParams.from_dict(p) for p in raw_params]
         per = {name: _per_request(value, count, name)
                for name, value in (("return_logprob", return_logprob),
                                    ("logprob_start_len", logprob_start_len),
@@ -149,7 +149,10 @@ class Engine:
         reqs = []
         for i in range(count):
             params[i].verify(self.runner.model_config.vocab_size)
+            self._check_length(len(ids[i]), raw_params[i], params[i])
             base, sp = per["rid"][i] or uuid.uuid4().hex, params[i]
+            if isinstance(rid, str) and not single:  # one rid for a batch: rid-0, rid-1, ...
+                base = f"{rid}-{i}"
             start = _logprob_start(per["return_logprob"][i], per["logprob_start_len"][i],
                                    len(ids[i]))
             for k in range(sp.n):
@@ -167,6 +170,16 @@ class Engine:
         results = [self._result(r, collected[r.rid], return_text_in_logprobs) for r in reqs]
         return results[0] if single and len(results) == 1 else results
 
+    def _check_length(self, prompt_len: int, raw: dict | None, sp: SamplingParams) -> None:
+        """As the HTTP API (and SGLang): a max_new_tokens the caller set must fit the context
+        after the prompt; the default is cut short at the context's end instead."""
+        context = self.scheduler.max_context_len
+        if (raw or {}).get("max_new_tokens") is not None and (
+                prompt_len + sp.max_new_tokens > context):
+            raise ValueError(f"max_new_tokens: {sp.max_new_tokens} new tokens after a "
+                             f"{prompt_len}-token prompt exceed the context length of "
+                             f"{context} tokens")
+
     def _token_ids(self, prompt, input_ids) -> tuple[bool, list[list[int]]]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("prompt: give exactly one of prompt and input_ids")
@@ -175,6 +188,8 @@ class Engine:
             texts = [prompt] if single else list(prompt)
             if not texts or not all(isinstance(t, str) for t in texts):
                 raise ValueError("prompt: must be a string or a non-empty list of strings")
+            if "" in texts:  # as the HTTP API: not a generation from BOS alone
+                raise ValueError("prompt: the prompt is empty")
             return single, [self.tokenizer.encode(t) for t in texts]
         if not isinstance(input_ids, (list, tuple)) or not input_ids:
             raise ValueError("input_ids: must be a non-empty list of token ids or of lists")

@@ -184,7 +184,8 @@ class ServingContext:
 
     async def abort(self, client_rid: str | None = None, abort_all: bool = False) -> list[str]:
         """Abort a request by client rid or engine rid (or every live one); returns the engine
-        rids aborted. Works at any stage, before submission included (see ``aborted``)."""
+        rids aborted (none for a rid that is not live). Works at any stage, before submission
+        included (see ``aborted``)."""
         if abort_all:
             rids = set().union(*self.live.values()) if self.live else set()
         else:
@@ -194,16 +195,20 @@ class ServingContext:
         warm = {self.warmups[r] for r in rids if r in self.warmups}
         for rid in sorted(rids | warm):
             await self.engine.abort(rid)
-        return sorted(rids)
+        return sorted(rids & registered)
 
     def open_session(self, client_rid: str, reqs: list[GenerateRequest]) -> "Session":
         """Admit ``reqs`` (429 when the waiting requests would exceed max_queued_requests; 400
         when a rid is already live) and register them under ``client_rid``."""
         rids = [r.rid for r in reqs]
         live = set().union(*self.live.values()) if self.live else set()
-        if client_rid in self.live or any(r in live for r in rids):
-            raise bad_request(f"rid: {client_rid!r} is already in use by a running request",
+        taken = [r for r in rids if r in live] or ([client_rid] if client_rid in self.live else [])
+        if taken:
+            raise bad_request(f"rid: {taken[0]!r} is already in use by a running request",
                               param="rid")
+        twice = next((r for i, r in enumerate(rids) if r in rids[:i]), None)
+        if twice is not None:
+            raise bad_request(f"rid: {twice!r} appears twice in the request", param="rid")
         if (self.max_queued_requests is not None
                 and len(self.waiting) + len(rids) > self.max_queued_requests):
             raise APIError(429, f"Too many queued requests ({len(self.waiting)} waiting, "

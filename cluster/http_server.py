@@ -26,7 +26,7 @@ from .. import __version__
 from ..router.config import CACHE_EPOCH_HEADER, ERROR_TYPES
 from . import native_api, openai_api, tokenize_api
 from .engine_protocol import EngineClient
-from .generation import (APIError, ServingContext, bad_request, collect_states,
+from .generation import (APIError, ServingContext, bad_request, collect_states, new_rid,
                          prepare_off_loop_if_large, until_disconnect)
 from .metrics import COUNTERS, EXPOSITION_CONTENT_TYPE, GAUGES, EngineMetrics
 from .openai_serving import chat_completions, completions
@@ -284,8 +284,11 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
         firsts, copies, batch = await prepare_off_loop_if_large(
             request, native_api.build_requests, body, ctx)
         flat = [r for group in copies for r in group]
-        session = ctx.open_session(body.rid if isinstance(body.rid, str) else firsts[0].rid,
-                                   flat)
+        # A batch's session has a key no prompt's rid can equal: aborting one prompt's rid
+        # must not abort the others (a string rid names the whole batch, as in SGLang).
+        key = body.rid if isinstance(body.rid, str) else (
+            new_rid("batch-") if batch else firsts[0].rid)
+        session = ctx.open_session(key, flat)
         with_text = bool(body.return_text_in_logprobs)
         multi = batch or len(flat) > 1
         if body.stream:
@@ -298,12 +301,12 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
             session.close()
         if isinstance(states, Response):
             return states
-        failed = next((s for s in states if (s.finish_reason or {}).get("status_code", 0) >= 500),
+        failed = next((s for s in states if (s.finish_reason or {}).get("status_code", 0) >= 400),
                       None)
-        if failed is not None:  # the engine failed under the request (a rank died): retryable
-            raise APIError(failed.finish_reason["status_code"],
-                           f"request aborted: {failed.finish_reason.get('message')}",
-                           err_type="ServiceUnavailableError")
+        if failed is not None:  # the client's input (400) or the engine under it (5xx) ended
+            status = failed.finish_reason["status_code"]  # it; a plain abort carries none
+            raise APIError(status, f"request aborted: {failed.finish_reason.get('message')}",
+                           err_type=ERROR_TYPES.get(status, "InternalServerError"))
         results = [native_api.native_result(s, tokenizer, with_text) for s in states]
         return results if multi else results[0]
 

@@ -3,32 +3,30 @@ translation into engine requests (the response shapes are in ``openai_responses`
 
 SGLang's extra request fields are accepted (top_k, min_p, repetition_penalty, min_tokens,
 ignore_eos, stop_token_ids, skip_special_tokens, no_stop_trim, regex, json_schema, ebnf,
-response_format, priority, rid, extra_key / cache_salt). Unknown fields are ignored, as OpenAI
-clients send a few this server has no use for (user, store, metadata).
+response_format, priority, rid, extra_key / cache_salt; for chat, continue_final_message and
+chat_template_kwargs, and vLLM's add_generation_prompt: see ``chat_prompt``). Unknown fields
+are ignored, as OpenAI clients send a few this server has no use for (user, store, metadata).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import replace
-from functools import lru_cache
 from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..worker.sampling_params import SamplingParams
+from .chat_prompt import chat_prompt_ids, check_strings
 from .engine_protocol import GenerateRequest
 from .generation import APIError, ServingContext, bad_request, expand_copies, new_rid
 from .request_checks import check_lengths, check_sampling_params, check_text, check_token_ids
-from .tool_calls import NamedToolChoice, Tool, ToolPlan, plan_tools, template_message
+from .tool_calls import NamedToolChoice, Tool, ToolPlan, plan_tools
 
 MAX_TOP_LOGPROBS = 20
 MAX_COPIES = 128  # n and best_of, as SamplingParams.n
 # OpenAI's chat roles ("function" is the deprecated form of "tool")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-# What a role becomes for a chat template that does not name it
-TEMPLATE_ROLE_FALLBACKS = {"developer": "system", "function": "tool"}
 
 
 class StreamOptions(BaseModel):
@@ -117,6 +115,10 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call per reply
+    # how the template renders the messages (chat_prompt)
+    continue_final_message: bool | None = False  # SGLang's: continue the final assistant message
+    add_generation_prompt: bool | None = None  # vLLM's; None: true unless continuing
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,6 +171,7 @@ def sampling_params(body: _SamplingFields, max_new_tokens: int,
 
 def check_model(model: str, ctx: ServingContext, model_path: str) -> None:
     """404 model_not_found unless ``model`` names the served model (or its path)."""
+    check_text(model, "model")  # the 404 quotes it, and a lone surrogate cannot be sent back
     if model not in (ctx.model_name, model_path):
         raise APIError(404, f"The model '{model}' does not exist; this server serves "
                             f"'{ctx.model_name}'", param="model", code="model_not_found",
@@ -183,6 +186,15 @@ def _engine_request(body: _SamplingFields, ctx: ServingContext, ids: list[int],
         logprob_start_len=logprob_start if return_logprob else -1,
         top_logprobs_num=top_n if return_logprob else 0, priority=body.priority or 0,
         extra_key=body.extra_key or body.cache_salt)
+
+
+def _check_request(body: _SamplingFields) -> None:
+    """Checks both endpoints share, before any work."""
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options: only allowed with stream true",
+                          param="stream_options")
+    if body.rid is not None:
+        check_text(body.rid, "rid")  # it becomes the answer's id
 
 
 def _check_max(value: int | None, name: str) -> None:
@@ -227,6 +239,7 @@ def completion_requests(body: CompletionRequest, ctx: ServingContext) -> Complet
         prompts = list(p)
     if not prompts:
         raise bad_request("prompt: the prompt is empty", param="prompt")
+    _check_request(body)
     _check_max(body.max_tokens, "max_tokens")
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
@@ -257,60 +270,17 @@ def completion_requests(body: CompletionRequest, ctx: ServingContext) -> Complet
     return CompletionBatch(base, firsts, copies, sp.n)
 
 
-def chat_prompt_ids(body: ChatCompletionRequest, tokenizer,
-                    tools: list[dict] | None = None) -> list[int]:
-    """Apply the tokenizer's chat template (it adds any BOS itself), showing it ``tools``, and
-    tokenize."""
-    if not body.messages:
-        raise bad_request("messages: at least one message is required", param="messages")
-    messages = []
-    for i, m in enumerate(body.messages):
-        content = m.content
-        if isinstance(content, list):
-            if any(part.type != "text" or part.text is None for part in content):
-                raise bad_request(f"messages[{i}].content: only text parts are supported",
-                                  param="messages")
-            content = "".join(part.text for part in content)
-        check_text(content or "", f"messages[{i}].content")
-        message = template_message(m, content or "")
-        message["role"] = template_role(m.role, tokenizer.chat_template)
-        messages.append(message)
-    try:
-        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                             add_generation_prompt=True)
-    except Exception as e:  # jinja raises on roles or orders the template rejects
-        raise bad_request(f"messages: the chat template rejected them ({e})",
-                          param="messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def template_role(role: str, template) -> str:
-    """``role``, or what stands in for it when the chat template never compares a message's
-    role with it (a template that knows only "system" would drop or garble "developer")."""
-    fallback = TEMPLATE_ROLE_FALLBACKS.get(role)
-    if fallback is None or not isinstance(template, str) or _template_names_role(template, role):
-        return role
-    return fallback
-
-
-@lru_cache(maxsize=64)
-def _template_names_role(template: str, role: str) -> bool:
-    """Whether one jinja statement of ``template`` mentions ``role`` and compares it as a
-    string: ``message.role == "developer"``, ``message['role'] in ['system', 'developer']``."""
-    return re.search(r"role\b[^%}]*['\"]" + re.escape(role) + r"['\"]", template) is not None
-
-
 def tool_plan(body, parser_name: str | None) -> ToolPlan:
     """What a ChatCompletionRequest's tools mean here; 400s name the field."""
     choice = body.tool_choice
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    for i, tool in enumerate(tools or []):
+        check_strings(tool, f"tools[{i}]")  # before its schema reaches the grammar compiler
     try:
-        plan = plan_tools([t.model_dump(exclude_none=True) for t in body.tools] if body.tools
-                          else None,
-                          choice.model_dump() if isinstance(choice, BaseModel) else choice,
+        plan = plan_tools(tools, choice.model_dump() if isinstance(choice, BaseModel) else choice,
                           parser_name)
     except ValueError as e:
-        name = str(e).partition(":")[0]
-        raise bad_request(str(e), param=name.split(".")[0].split("[")[0]) from None
+        raise bad_request(str(e), param=str(e).partition(":")[0]) from None
     if body.parallel_tool_calls is False:
         plan.max_calls = 1
     return plan
@@ -318,13 +288,17 @@ def tool_plan(body, parser_name: str | None) -> ToolPlan:
 
 def chat_requests(body: ChatCompletionRequest, ctx: ServingContext
                   ) -> tuple[GenerateRequest, list[GenerateRequest], ToolPlan]:
-    plan = tool_plan(body, ctx.tool_call_parser)
-    ids = chat_prompt_ids(body, ctx.tokenizer, plan.template_tools)
+    _check_request(body)
     _check_max(body.max_tokens, "max_tokens")
     _check_max(body.max_completion_tokens, "max_completion_tokens")
-    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise bad_request(f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}]",
-                          param="top_logprobs")
+    if body.top_logprobs is not None:
+        if not body.logprobs:  # OpenAI's rule; ignoring it would return no logprobs at all
+            raise bad_request("top_logprobs: requires logprobs true", param="top_logprobs")
+        if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}]",
+                              param="top_logprobs")
+    plan = tool_plan(body, ctx.tool_call_parser)
+    ids = chat_prompt_ids(body, ctx.tokenizer, plan.template_tools)
     limit = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     max_tokens = max(ctx.context_len - len(ids), 0) if limit is None else limit

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from .detokenizer import TokenBytes, text_offsets, token_texts
+from .detokenizer import REPLACEMENT_CHAR, TokenBytes, text_offsets, token_texts
 from .generation import RequestState
 from .tool_calls import ToolPlan
 
@@ -81,15 +81,60 @@ def prompt_offsets(tokenizer, ids: list[int], echoed: str) -> list[int]:
     return [max(o - shift, 0) for o in text_offsets(tokenizer, ids, 0, False)]
 
 
+class OutputOffsets:
+    """The text offsets of a choice's output tokens as they arrive: ``offsets`` grows to equal
+    ``text_offsets`` over the whole output, whatever the chunks.
+
+    Offsets are taken a window of tokens at a time, a window closing where its text ends on a
+    whole character (as ``text_offsets`` closes them; the last one when the output ends), so an
+    offset once known never changes. A stream cannot take a chunk's tokens alone: the first
+    may finish a character begun before it, and the text it releases may begin with an
+    earlier token's text held back as a possible stop string."""
+
+    def __init__(self, tokenizer, start: int, skip_special_tokens: bool):
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+        self.offsets: list[int] = []
+        self._seen = 0  # tokens taken from the output
+        self._window: list[int] = []
+        self._position = start  # where the window's text begins
+
+    def update(self, pairs: list, final: bool) -> None:
+        """Take the new tokens of ``pairs`` (the output's (logprob, id) so far); ``final``:
+        the output ended, so a window left open closes too."""
+        for _, token in pairs[self._seen:]:
+            self._window.append(token)
+            text = self._decode(self._window)
+            if not text.endswith(REPLACEMENT_CHAR):
+                self._close(text)
+        self._seen = len(pairs)
+        if final and self._window:
+            self._close(self._decode(self._window))
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _close(self, text: str) -> None:
+        """Close the window, whose decoded text is ``text``."""
+        self.offsets += text_offsets(self.tokenizer, self._window, self._position,
+                                     self.skip_special_tokens)
+        self._position += len(text)
+        self._window = []
+
+
+def output_offsets(state: RequestState, tokenizer, start: int) -> OutputOffsets:
+    """An OutputOffsets for ``state``'s output, whose text begins at ``start``."""
+    return OutputOffsets(tokenizer, start, state.req.sampling_params.skip_special_tokens)
+
+
 def completion_chunk_logprobs(state: RequestState, logprobs: int, tokenizer, start: int,
-                              end: int, output_offset: int, echoed: str | None) -> dict:
-    """Logprobs of output tokens ``start:end``, whose text begins at ``output_offset``; with
-    ``echoed`` (the prompt's echo, in a whole answer or a choice's first chunk) the prompt's
-    tokens before them."""
+                              offsets: list[int], echoed: str | None) -> dict:
+    """Logprobs of the output tokens from ``start`` on, one per offset in ``offsets`` (from an
+    OutputOffsets); with ``echoed`` (the prompt's echo, in a whole answer or a choice's first
+    chunk) the prompt's tokens before them."""
+    end = start + len(offsets)
     pairs = list(state.output_token_logprobs[start:end])
     tops = list(state.output_top_logprobs[start:end])
-    offsets = text_offsets(tokenizer, [t for _, t in pairs], output_offset,
-                           state.req.sampling_params.skip_special_tokens)
+    offsets = list(offsets)
     if echoed is not None:
         inputs = list(state.input_token_logprobs or [])
         offsets = prompt_offsets(tokenizer, [t for _, t in inputs], echoed) + offsets
@@ -123,9 +168,10 @@ def completion_choice(index: int, state: RequestState, body, tokenizer,
     """One choice of a whole /v1/completions answer; ``prompt_text`` is the echo, if asked."""
     logprobs = None
     if body.logprobs is not None:
-        logprobs = completion_chunk_logprobs(
-            state, body.logprobs, tokenizer, 0, len(state.output_token_logprobs),
-            len(prompt_text) if body.echo else 0, prompt_text if body.echo else None)
+        offsets = output_offsets(state, tokenizer, len(prompt_text) if body.echo else 0)
+        offsets.update(state.output_token_logprobs, final=True)
+        logprobs = completion_chunk_logprobs(state, body.logprobs, tokenizer, 0,
+                                             offsets.offsets, prompt_text if body.echo else None)
     text = prompt_text + state.text if body.echo else state.text
     return {"index": index, "text": text, "logprobs": logprobs, **finish_fields(state)}
 

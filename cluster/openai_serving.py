@@ -86,7 +86,8 @@ async def completions(request: Request, ctx: ServingContext, body: oa.Completion
 async def _completion_events(ctx, body: oa.CompletionRequest, batch: oa.CompletionBatch,
                              prompts: list[str], session: Session):
     firsts, copies, base, n = batch.firsts, batch.copies, batch.rid, batch.n
-    sent_logprobs: dict[int, int] = {}
+    sent_logprobs: dict[int, int] = {}  # choice index -> output tokens whose logprobs went
+    offsets: dict[int, res.OutputOffsets] = {}  # choice index -> its output's text offsets
     finals: dict[int, RequestState] = {}
     try:
         async with aclosing(run_all(ctx, firsts, copies)) as updates:
@@ -101,14 +102,20 @@ async def _completion_events(ctx, body: oa.CompletionRequest, batch: oa.Completi
                 if not (text or state.finished or first):
                     continue  # text held back (partial character or possible stop string)
                 logprobs, start = None, sent_logprobs.get(i, 0)
-                end = len(state.output_token_logprobs)
                 if body.logprobs is not None:
+                    # tokens go out once their offsets are known: a token ending inside a
+                    # character waits for the token that completes it
                     echoed = prompts[i // n] if body.echo else ""
+                    if first:
+                        offsets[i] = res.output_offsets(state, ctx.tokenizer, len(echoed))
+                    offsets[i].update(state.output_token_logprobs, final=state.finished)
+                    known = offsets[i].offsets
                     logprobs = res.completion_chunk_logprobs(
-                        state, body.logprobs, ctx.tokenizer, start, end,
-                        len(echoed) + len(state.text) - len(state.delta),
+                        state, body.logprobs, ctx.tokenizer, start, known[start:],
                         echoed if body.echo and first else None)
-                sent_logprobs[i] = end
+                    sent_logprobs[i] = len(known)
+                else:
+                    sent_logprobs[i] = len(state.output_token_logprobs)
                 choice = {"index": i, "text": text, "logprobs": logprobs,
                           **res.finish_fields(state)}
                 yield sse(res.envelope("text_completion", base, ctx.model_name, [choice], None))

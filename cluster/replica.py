@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 NAMESPACE = "radixray"
 ACTOR_PREFIX = "replica:"
 SUPERVISE_INTERVAL_S = 0.5
-PLACEMENT_TIMEOUT_S = 300.0  # how long a replica waits for a node with room for its ranks
+PLACEMENT_TIMEOUT_S = 1800.0  # how long a replica waits for a node with room for its ranks
+PLACEMENT_PROGRESS_S = 60.0  # how often a replica still waiting for its nodes says so
 START_TIMEOUT_S = 1800.0  # loading the model on every rank and binding; then it failed
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
@@ -342,7 +343,9 @@ def reserve_replica_ranks(replica_id: str, server_args: dict, tp_size: int = 1,
     """Reserve a replica's rank bundles and wait until Ray has placed them; returns
     ``(placement group, node id of rank 0's bundle, device)``, ``device`` being the server
     arguments' with "auto" resolved against the cluster's GPUs. The placement group belongs to
-    the caller's job (it ends with it); the replica's ``shutdown`` removes it."""
+    the caller's job (it ends with it); the replica's ``shutdown`` removes it. ``timeout_s``
+    0 waits for ever: a cluster whose autoscaler is still starting GPU nodes (pulling images,
+    installing, downloading the model) may take longer than any fixed limit."""
     import ray
     from ray.util.placement_group import remove_placement_group
 
@@ -350,12 +353,22 @@ def reserve_replica_ranks(replica_id: str, server_args: dict, tp_size: int = 1,
     # Not under the head's own prefix (ACTOR_PREFIX + id + "/"): a restarted head removes
     # what is left under that prefix, and this group must outlive head restarts.
     pg = reserve_rank_bundles(tp_size, device, name=f"{ACTOR_PREFIX}{replica_id}")
+    started = time.monotonic()
     try:
-        ray.get(pg.ready(), timeout=timeout_s)
-    except Exception as e:
+        while True:
+            left = None if timeout_s == 0 else timeout_s - (time.monotonic() - started)
+            if left is not None and left <= 0:
+                raise RuntimeError(f"replica {replica_id}: no node had room for {tp_size} "
+                                   f"rank(s) on {device} within {timeout_s:.0f}s (raise "
+                                   "--placement-timeout, or 0 to wait for ever)")
+            ready, _ = ray.wait([pg.ready()], timeout=min(PLACEMENT_PROGRESS_S, left or 1e9))
+            if ready:
+                break
+            log.warning("replica %s: waiting for a node with room for %d rank(s) on %s "
+                        "(%.0fs so far)", replica_id, tp_size, device, time.monotonic() - started)
+    except BaseException:
         remove_placement_group(pg)
-        raise RuntimeError(f"replica {replica_id}: no node had room for {tp_size} rank(s) on "
-                           f"{device} within {timeout_s:.0f}s") from e
+        raise
     return pg, bundle_node_id(pg, 0), device
 
 

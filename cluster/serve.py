@@ -10,12 +10,13 @@ and waits. Ctrl-C or SIGTERM stops the router, the replicas and the local Ray.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import subprocess
 import sys
 
-from ..router.config import WORKER_API_KEY_ENV
+from ..router.config import POLICY_NAMES, WORKER_API_KEY_ENV
 from .tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 DEMO_MODEL_NAME = "radixray-demo"  # what clients send as "model" to the built-in demo model
@@ -72,6 +73,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     from ..kernels import ATTENTION_BACKEND_CHOICES
     from ..scheduler.config import (EVICTION_POLICIES, SCHEDULE_POLICIES, WRITE_POLICIES,
                                     SchedulerConfig)
+    from .replica import PLACEMENT_TIMEOUT_S
 
     p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     p.add_argument("--model", "--model-path", dest="model_path", default=None,
@@ -109,8 +111,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="data-parallel replicas behind the router")
     g.add_argument("--ray-address", default=None,
                    help="Ray cluster to join (e.g. auto); None: start a local Ray")
-    g.add_argument("--router-policy", default="cache_aware",
+    g.add_argument("--router-policy", default="cache_aware", choices=POLICY_NAMES,
                    help="routing policy (see radixray router --help)")
+    g.add_argument("--placement-timeout", type=float, default=PLACEMENT_TIMEOUT_S,
+                   help="seconds each replica waits for nodes with room for its ranks (a "
+                        "cluster's autoscaler may be starting them); 0: wait for ever, "
+                        "saying so every minute")
     g.add_argument("--step-timeout", type=float, default=60.0,
                    help="seconds a forward step may take before its replica restarts")
     g = p.add_argument_group("model runner")
@@ -220,6 +226,8 @@ def run_serve(args: argparse.Namespace) -> int:
         for name in ("tp_size", "replicas"):
             if getattr(args, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
+        if not 0 <= args.placement_timeout < math.inf:
+            raise ValueError("placement_timeout: must be a number of seconds >= 0 (0: no limit)")
     except ValueError as e:
         print(f"radixray serve: error: {e}", file=sys.stderr)
         return 2
@@ -260,7 +268,8 @@ def run_serve(args: argparse.Namespace) -> int:
                                "--tp-size or --replicas, or start Ray with more resources)")
         nodes = []  # of the replicas started so far
         for i in range(args.replicas):
-            reserved = reserve_replica_ranks(str(i), server_args, args.tp_size)
+            reserved = reserve_replica_ranks(str(i), server_args, args.tp_size,
+                                             args.placement_timeout)
             port = replica_port(args.replica_port_policy, base_port, i, nodes, reserved[1])
             nodes.append(reserved[1])
             replicas.append(start_replica(str(i), model_path, server_args, args.tp_size,

@@ -55,3 +55,22 @@ def test_tp2_equals_hf_and_detects_dead_peer(group_driver, tiny_qwen2_path):
             _decode(driver, reqs, 1)
             time.sleep(0.1)
     assert time.monotonic() - start < 15
+
+
+def test_a_replica_waits_for_room_as_long_as_it_is_told(ray_session, monkeypatch, caplog):
+    """No node has a GPU: the reservation says every interval that it is still waiting, gives
+    up at --placement-timeout naming the flag, and leaves no placement group behind. (It was a
+    fixed 300 s, shorter than a cloud GPU node takes to join.)"""
+    import ray
+
+    from radixray.cluster import replica
+
+    monkeypatch.setattr(replica, "PLACEMENT_PROGRESS_S", 0.4)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="within 2s .*--placement-timeout"):
+        replica.reserve_replica_ranks("waits", {"device": "cuda"}, tp_size=1, timeout_s=1.5)
+    assert time.monotonic() - started >= 1.5
+    assert "waiting for a node with room for 1 rank(s) on cuda" in caplog.text
+    ours = [pg["state"] for pg in ray.util.placement_group_table().values()
+            if pg["name"] == "replica:waits"]
+    assert ours == ["REMOVED"]

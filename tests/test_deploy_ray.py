@@ -138,3 +138,13 @@ def test_gpu_clusters_run_the_ranks_on_gpus(name):
         assert flags.get("--dtype") in ("float16", "float32")
     else:
         assert flags.get("--dtype", "auto") in ("auto", "bfloat16", "float16")
+
+
+@pytest.mark.parametrize("name", ["aws.yaml", "gcp.yaml"])
+def test_gpu_clusters_wait_for_their_gpu_workers(name):
+    """serve starts on the head before the autoscaler has booted a GPU worker, installed CUDA
+    torch and downloaded the model: it must wait for the replicas' GPUs without a limit
+    (serve's default limit would end the nohup'd serve and leave nothing on port 30000)."""
+    argv = shlex.split(serve_command(load(name)).split(">")[0])
+    flags = dict(zip(argv[3::2], argv[4::2]))
+    assert flags["--placement-timeout"] == "0"

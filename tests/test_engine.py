@@ -212,6 +212,10 @@ def test_batch_shapes_n_and_ids(tiny_llama_path):
         assert [o["meta_info"]["completion_tokens"] for o in outs] == [2, 3, 3]
         assert outs[1]["output_ids"] == outs[2]["output_ids"]
         assert outs[2]["meta_info"]["cached_tokens"] > 0  # the copies share the prompt
+        # one rid for a batch names its prompts rid-0, rid-1 (as the HTTP API); it was
+        # repeated, and the batch refused as "appears twice"
+        outs = engine.generate(prompt=["a", "b"], rid="both", sampling_params=GREEDY)
+        assert [o["meta_info"]["id"] for o in outs] == ["both-0", "both-1"]
         assert_clean(engine)
 
 
@@ -229,6 +233,17 @@ def test_server_argument_errors_name_the_argument(tiny_llama_path):
             engine.generate(input_ids=list(range(600)))
         with pytest.raises(ValueError, match="^prompt: "):
             engine.generate()
+        with pytest.raises(ValueError, match="^prompt: the prompt is empty"):
+            engine.generate(prompt=["a", ""])  # as the HTTP API (it ran on BOS alone)
+        assert_clean(engine)
+    with Engine(tiny_llama_path, max_total_tokens=4096) as engine:
+        # a max_new_tokens the caller set must fit the context (it was silently cut short);
+        # the default is cut short at the context's end, as in SGLang
+        with pytest.raises(ValueError, match="^max_new_tokens: 100 new tokens after a "
+                                             "2000-token prompt exceed the context length"):
+            engine.generate(input_ids=[5] * 2000, sampling_params={"max_new_tokens": 100})
+        out = engine.generate(input_ids=[5] * 2040, sampling_params={"ignore_eos": True})
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
         assert_clean(engine)
 
 

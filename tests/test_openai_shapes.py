@@ -10,14 +10,14 @@ import pytest
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
+from radixray.cluster.chat_prompt import template_role
 from radixray.cluster.detokenizer import (REPLACEMENT_CHAR, TokenBytes, byte_level_alphabet,
                                           text_offsets)
-from radixray.cluster.http_server import validation_error
-from radixray.cluster.openai_api import ChatCompletionRequest, template_role
 from radixray.cluster.engine_protocol import GenerateRequest
 from radixray.cluster.generation import expand_copies
-from radixray.cluster.openai_api import client_field_names
-from radixray.cluster.openai_responses import most_likely, usage
+from radixray.cluster.http_server import validation_error
+from radixray.cluster.openai_api import ChatCompletionRequest, client_field_names
+from radixray.cluster.openai_responses import OutputOffsets, most_likely, usage
 from radixray.scheduler.request import MAX_SEED, MIN_SEED, Req
 from radixray.worker.sampling_params import SamplingParams
 
@@ -80,6 +80,21 @@ def test_text_offsets_never_drift_on_partial_characters(tok):
             *tok.encode("x", add_special_tokens=False)]
     assert tok.decode(lone) == "we\ufffdx"
     assert text_offsets(tok, lone)[-1] == 3
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 100])
+@pytest.mark.parametrize("skip", [True, False])
+def test_offsets_taken_chunk_by_chunk_equal_the_whole_outputs(tok, chunk, skip):
+    """A stream's offsets (OutputOffsets fed as the tokens arrive) are the whole answer's,
+    whether a chunk ends inside a character or not, a lone lead byte at the end included."""
+    ids = tok.encode(TEXT * 2) + [tok.convert_tokens_to_ids("Ã")]
+    pairs = [(-1.0, t) for t in ids]
+    stream = OutputOffsets(tok, 7, skip)
+    for end in range(chunk, len(pairs) + chunk, chunk):
+        known = list(stream.offsets)
+        stream.update(pairs[:end], final=end >= len(pairs))
+        assert stream.offsets[:len(known)] == known  # an offset once given never changes
+    assert stream.offsets == text_offsets(tok, ids, 7, skip)
 
 
 @pytest.mark.parametrize("template,role,templated", [

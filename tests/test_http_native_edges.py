@@ -1,0 +1,82 @@
+"""Edges of SGLang's native API found by probing: batch rids and aborts, client-error aborts,
+the default max_new_tokens at the context's end, no_stop_trim text, and rids within one body.
+Every test ends with the scheduler idle and its memory invariant holding."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from http_helpers import client_fixture, serving_fixtures
+from test_http_native import _frozen_engine, _post_in_thread
+
+engine, server = serving_fixtures()
+client = client_fixture()
+
+
+def test_aborting_one_prompts_rid_leaves_the_rest_of_its_batch(client, server, engine):
+    """The batch was registered under its first prompt's rid: aborting that rid aborted all."""
+    hold = _frozen_engine(engine)
+    sampling = {"max_new_tokens": 8, "ignore_eos": True, "temperature": 0}
+    pending = _post_in_thread(server, {"text": ["one", "two"], "rid": ["first", "second"],
+                                       "sampling_params": sampling})
+    ctx = server.app.state.ctx
+    deadline = time.monotonic() + 10
+    while not any("first" in rids for rids in ctx.live.values()):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert client.post("/abort_request", json={"rid": "first"}).json() == {"aborted": ["first"]}
+    hold.set()
+    pending["thread"].join(30)
+    reasons = [o["meta_info"]["finish_reason"]["type"] for o in pending["r"].json()]
+    assert reasons == ["abort", "length"]
+
+
+def test_an_unknown_rid_is_not_reported_aborted(client):
+    assert client.post("/abort_request", json={"rid": "no-such-request"}).json() == {
+        "aborted": []}
+
+
+def test_a_client_error_abort_is_a_400_not_a_200(client):
+    """A grammar that allows no text ends its request with an abort carrying status 400; the
+    native API answered 200 with empty text (SGLang's frontend then returned "")."""
+    r = client.post("/generate", json={"text": "a", "sampling_params": {"regex": "[^\\s\\S]"}})
+    assert r.status_code == 400, r.text
+    assert "regex: no text satisfies the grammar" in r.json()["error"]["message"]
+
+
+def test_the_default_max_new_tokens_ends_at_the_context(client, engine):
+    """1,950 prompt tokens + the default 128 pass the 2,048-token context: that was a 400
+    naming max_new_tokens, which the client never sent. As SGLang, only a value the client
+    set must fit; the default stops at the context's end."""
+    ids = [5] * 1950
+    r = client.post("/generate", json={"input_ids": ids, "sampling_params": {"ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 98}
+    r = client.post("/generate", json={"input_ids": ids,
+                                       "sampling_params": {"max_new_tokens": 128}})
+    assert r.status_code == 400 and "max_new_tokens: 128 new tokens" in r.text
+
+
+def test_no_stop_trim_keeps_the_whole_token_that_completed_the_stop(client, server):
+    """As SGLang and the offline Engine: the text is every output token decoded; HTTP cut it at
+    the end of the match, inside the last token."""
+    plain = client.post("/generate", json={"text": "def fib(n):", "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0}}).json()
+    ids = plain["output_ids"]
+    tokenizer = server.tokenizer
+    # a stop string ending one character into the third token's text
+    third = tokenizer.decode(ids[:3])
+    stop = third[-3:] + tokenizer.decode(ids[:4])[len(third):][:1]
+    r = client.post("/generate", json={"text": "def fib(n):", "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0, "stop": stop, "no_stop_trim": True}}).json()
+    assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert r["text"] == tokenizer.decode(r["output_ids"])
+
+
+def test_one_rid_twice_in_a_streamed_batch_is_a_400_before_the_stream(server):
+    body = {"text": ["a", "b"], "rid": ["dup", "dup"], "stream": True}
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        r = c.post("/generate", json=body)
+    assert r.status_code == 400 and "'dup' appears twice" in r.text
