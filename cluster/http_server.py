@@ -26,10 +26,11 @@ from .. import __version__
 from ..router.config import CACHE_EPOCH_HEADER, ERROR_TYPES
 from . import native_api, openai_api, tokenize_api
 from .engine_protocol import EngineClient
-from .generation import (APIError, ServingContext, bad_request, collect_states, new_rid,
+from .generation import (APIError, ServingContext, bad_request, new_rid,
                          prepare_off_loop_if_large, until_disconnect)
 from .metrics import COUNTERS, EXPOSITION_CONTENT_TYPE, GAUGES, EngineMetrics
 from .openai_serving import chat_completions, completions
+from .parallel_sampling import collect_states
 
 HEALTH_PATHS = ("/health", "/health_generate")
 # Open without the API key, as SGLang's: load balancers and Prometheus scrape them; neither

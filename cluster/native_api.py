@@ -22,7 +22,8 @@ from ..worker.sampling_params import SamplingParams
 from .detokenizer import token_texts
 from .engine_protocol import GenerateRequest
 from .generation import (SSE_DONE, RequestState, ServingContext, Session, as_api_error,
-                         bad_request, expand_copies, new_rid, run_all, sse)
+                         bad_request, new_rid, sse)
+from .parallel_sampling import expand_copies, run_all
 from .request_checks import check_lengths, check_sampling_params, check_text, check_token_ids
 
 IntOrList = int | list[int] | None

@@ -21,7 +21,7 @@ from .tool_calls import ToolPlan
 def usage(states: list[RequestState], n: int) -> dict:
     """The answer's token counts; ``states`` prompt-major, ``n`` copies per prompt. Prompt and
     cached tokens count once per prompt (from its first copy: every copy has the same prompt
-    and reports the prompt's own cache hit, see generation.run_all); completion tokens count
+    and reports the prompt's own cache hit, see parallel_sampling.run_all); completion tokens count
     for every copy, best_of candidates left out of the answer included (as OpenAI bills
     them)."""
     firsts = states[::n]

@@ -15,8 +15,8 @@ from starlette.background import BackgroundTask
 from . import openai_api as oa
 from . import openai_responses as res
 from .generation import (SSE_DONE, APIError, RequestState, ServingContext, Session,
-                         as_api_error, collect_states, prepare_off_loop_if_large, run_all, sse,
-                         until_disconnect)
+                         as_api_error, prepare_off_loop_if_large, sse, until_disconnect)
+from .parallel_sampling import collect_states, run_all
 from .tool_calls import ToolPlan, ToolStream
 
 

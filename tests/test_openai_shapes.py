@@ -14,10 +14,10 @@ from radixray.cluster.chat_prompt import template_role
 from radixray.cluster.detokenizer import (REPLACEMENT_CHAR, TokenBytes, byte_level_alphabet,
                                           text_offsets)
 from radixray.cluster.engine_protocol import GenerateRequest
-from radixray.cluster.generation import expand_copies
 from radixray.cluster.http_server import validation_error
 from radixray.cluster.openai_api import ChatCompletionRequest, client_field_names
 from radixray.cluster.openai_responses import OutputOffsets, most_likely, usage
+from radixray.cluster.parallel_sampling import expand_copies
 from radixray.scheduler.request import MAX_SEED, MIN_SEED, Req
 from radixray.worker.sampling_params import SamplingParams
 

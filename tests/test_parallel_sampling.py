@@ -10,7 +10,8 @@ import time
 from transformers import AutoTokenizer
 
 from radixray.cluster.engine_protocol import GenerateRequest, TokenOutput
-from radixray.cluster.generation import ServingContext, collect_states, expand_copies
+from radixray.cluster.generation import ServingContext
+from radixray.cluster.parallel_sampling import collect_states, expand_copies
 from radixray.worker.sampling_params import SamplingParams
 
 WARMUP_S = 0.6
