@@ -45,6 +45,9 @@ class InProcessEngine:
         self.failure: BaseException | None = None
         self.steps = 0  # forward steps done; health checks use it to tell busy from stuck
         self._stats: dict = {}
+        # Requests this engine failed when it stopped (live ones and submissions it never
+        # took): the scheduler, which counts the others, never finished them.
+        self._failed_at_stop = 0
         self._tp = (time.monotonic(), 0)  # (time, generated tokens) at the last throughput mark
         self._throughput = 0.0
         self.tokenizer = None  # set by from_model
@@ -155,7 +158,11 @@ class InProcessEngine:
         return dict(self._info)
 
     def stats(self) -> dict:
-        return dict(self._stats)
+        stats = dict(self._stats)
+        if self._failed_at_stop:
+            for key in ("num_requests_total", "num_aborted_requests_total"):
+                stats[key] = stats.get(key, 0) + self._failed_at_stop
+        return stats
 
     # ------------------------------------------------------------------ test / debug helpers
     async def call(self, fn: Callable, timeout: float | None = None):
@@ -255,6 +262,7 @@ class InProcessEngine:
 
     def _fail_all(self, message: str) -> None:
         sinks, self._sinks = self._sinks, {}
+        self._failed_at_stop += len(sinks)
         for rid, (loop, queue) in sinks.items():
             out = TokenOutput(rid, [], finished=True,  # 503: the server's fault, retry later
                               finish_reason={"type": "abort", "message": message,
@@ -266,6 +274,7 @@ class InProcessEngine:
         while self._inbox:  # submissions that never reached the scheduler
             command = self._inbox.popleft()
             if command[0] == "add":
+                self._failed_at_stop += 1
                 try:
                     command[2].call_soon_threadsafe(command[3].put_nowait,
                                                     RuntimeError(f"engine stopped: {message}"))

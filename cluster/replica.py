@@ -28,15 +28,13 @@ import socket
 import threading
 import time
 import uuid
-from typing import AsyncIterator
 
 from ..scheduler.config import SchedulerConfig
 from ..scheduler.scheduler import Scheduler
 from ..worker.model_runner import RunnerConfig
 from .async_engine import InProcessEngine
 from .engine import split_server_args
-from .engine_protocol import GenerateRequest, TokenOutput
-from .generation import EngineRestarting, unavailable
+from .engine_slot import RestartGate, SwappableEngine
 from .tp_worker import free_port
 from .worker_group import (WorkerGroup, WorkerGroupError, bundle_node_id, remove_placement_groups,
                            reserve_rank_bundles, resolve_device)
@@ -103,76 +101,6 @@ def runner_config(model_path: str, config: SchedulerConfig, runner_args: dict) -
         load_format=runner_args["load_format"], seed=config.random_seed,
         enable_hierarchical_cache=config.enable_hierarchical_cache,
         hicache_ratio=config.hicache_ratio, hicache_size=config.hicache_size)
-
-
-RESTARTING_MESSAGE = "replica is restarting"  # its 503 also carries RESTARTING_HEADER
-
-
-class SwappableEngine:
-    """The EngineClient the HTTP app holds; forwards to the replica's current engine, which the
-    supervisor replaces after a restart. No engine (restarting): requests get a 503."""
-
-    def __init__(self):
-        self.current: InProcessEngine | None = None
-
-    def _engine(self) -> InProcessEngine:
-        if not self.ready:
-            raise EngineRestarting(RESTARTING_MESSAGE)
-        return self.current
-
-    @property
-    def ready(self) -> bool:
-        return self.current is not None and self.current.alive
-
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenOutput]:
-        async for out in self._engine().generate(req):
-            yield out
-
-    async def abort(self, rid: str) -> None:
-        if self.current is not None:
-            await self.current.abort(rid)
-
-    async def flush_cache(self) -> bool:
-        return await self._engine().flush_cache()
-
-    def cache_epoch(self) -> str:
-        return self.current.cache_epoch() if self.current is not None else ""  # no cache yet
-
-    async def health_check(self, timeout: float) -> bool:
-        engine = self.current
-        return engine is not None and await engine.health_check(timeout)
-
-    def server_info(self) -> dict:
-        return self.current.server_info() if self.current is not None else {}
-
-    def stats(self) -> dict:
-        return self.current.stats() if self.current is not None else {}
-
-
-GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")  # may stream
-
-
-class RestartGate:
-    """ASGI wrapper: while the replica restarts, generation requests get a 503 before the app
-    sees them. A streamed answer sends its 200 before the engine is asked, so without this a
-    stream would report the restart in-band, which the router cannot retry on another replica
-    (it retries a stream only until its first byte)."""
-
-    def __init__(self, app, engine: SwappableEngine):
-        from fastapi.responses import JSONResponse
-
-        from .http_server import error_body
-
-        self.app, self.engine = app, engine
-        err = unavailable(EngineRestarting(RESTARTING_MESSAGE))
-        self.answers = {path: JSONResponse(error_body(path, err), status_code=503,
-                                           headers=err.headers)
-                        for path in GENERATION_PATHS}
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] in self.answers and not self.engine.ready:
-            return await self.answers[scope["path"]](scope, receive, send)
-        await self.app(scope, receive, send)
 
 
 class ReplicaServer:
@@ -271,7 +199,8 @@ class ReplicaServer:
         engine = InProcessEngine(scheduler, info, health_input_ids=[bos if bos is not None else 0])
         engine.tokenizer = self.tokenizer
         engine.start()
-        self.group, self.engine.current = group, engine
+        self.group = group
+        self.engine.swap(engine)
 
     def _supervise(self) -> None:
         while not self._stop.wait(SUPERVISE_INTERVAL_S):
@@ -289,9 +218,9 @@ class ReplicaServer:
 
     def _restart(self) -> None:
         old = self.engine.current
-        self.engine.current = None
         if old is not None:
             old.shutdown(timeout=self.step_timeout_s)  # live requests end with an abort reason
+        self.engine.swap(None)  # after the shutdown: its final totals count those aborts
         if self.group is not None:
             self.group.shutdown()
             self.group = None

@@ -61,7 +61,7 @@ def test_a_replica_without_an_engine_sends_the_marker(tiny_llama_path, gate, rou
     from transformers import AutoTokenizer
 
     from radixray.cluster.http_server import ServerArgs, create_app
-    from radixray.cluster.replica import RestartGate, SwappableEngine
+    from radixray.cluster.engine_slot import RestartGate, SwappableEngine
 
     engine = SwappableEngine()  # no engine yet, as between a rank's death and its new engine
     app = create_app(engine, AutoTokenizer.from_pretrained(tiny_llama_path),
