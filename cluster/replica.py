@@ -40,7 +40,7 @@ from .worker_group import (WorkerGroup, WorkerGroupError, bundle_node_id, remove
                            reserve_rank_bundles, resolve_device)
 
 log = logging.getLogger(__name__)
-NAMESPACE = "radixray"
+NAMESPACE = "radixray"  # the default; serve's --ray-namespace keeps deployments apart
 ACTOR_PREFIX = "replica:"
 SUPERVISE_INTERVAL_S = 0.5
 PLACEMENT_TIMEOUT_S = 1800.0  # how long a replica waits for a node with room for its ranks
@@ -77,14 +77,22 @@ def bindable_port(host: str, preferred: int, tries: int = 64) -> int:
                  if port_is_free(host, candidate)), preferred)
 
 
-def replica_actor_options(replica_id: str, node_id: str) -> dict:
+def pg_name(namespace: str, replica_id: str) -> str:
+    """The name of a replica's reserved rank bundles; its heads' worker groups are named under
+    it plus "/". Placement group names are global in a Ray cluster, unlike actor names, so the
+    namespace is part of them: two deployments in one cluster must not share (or, after a head
+    restart, remove) each other's."""
+    return f"{namespace}/{ACTOR_PREFIX}{replica_id}"
+
+
+def replica_actor_options(replica_id: str, node_id: str, namespace: str = NAMESPACE) -> dict:
     """``ray.remote(ReplicaServer).options(...)`` for a head that belongs on ``node_id`` (rank
     0's node). It takes no CPU of its own, so its ranks get the node's cores. The affinity is
     soft: if that node is gone when Ray restarts the head, the head starts elsewhere rather than
     never (Ray reschedules the ranks' placement group on its own)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    return {"name": f"{ACTOR_PREFIX}{replica_id}", "namespace": NAMESPACE, "num_cpus": 0,
+    return {"name": f"{ACTOR_PREFIX}{replica_id}", "namespace": namespace, "num_cpus": 0,
             "max_concurrency": 8, "max_restarts": -1,
             "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=True)}
 
@@ -109,7 +117,7 @@ class ReplicaServer:
 
     def __init__(self, replica_id: str, model_path: str, server_args: dict, tp_size: int = 1,
                  host: str = "127.0.0.1", port: int | None = None, http_args: dict | None = None,
-                 step_timeout_s: float = 60.0, reserved_pg=None):
+                 step_timeout_s: float = 60.0, reserved_pg=None, namespace: str = NAMESPACE):
         import ray
         import uvicorn
         from transformers import AutoTokenizer
@@ -127,7 +135,7 @@ class ReplicaServer:
         self.restarts = 0
         self.group: WorkerGroup | None = None
         self.engine = SwappableEngine()
-        self.pg_prefix = f"{ACTOR_PREFIX}{replica_id}/"  # names this replica's placement groups
+        self.pg_prefix = pg_name(namespace, replica_id) + "/"  # its worker groups' names
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         if restarted:
             n = remove_placement_groups(self.pg_prefix)  # the dead head's; its ranks died with it
@@ -268,7 +276,7 @@ class ReplicaServer:
 
 
 def reserve_replica_ranks(replica_id: str, server_args: dict, tp_size: int = 1,
-                          timeout_s: float = PLACEMENT_TIMEOUT_S):
+                          timeout_s: float = PLACEMENT_TIMEOUT_S, namespace: str = NAMESPACE):
     """Reserve a replica's rank bundles and wait until Ray has placed them; returns
     ``(placement group, node id of rank 0's bundle, device)``, ``device`` being the server
     arguments' with "auto" resolved against the cluster's GPUs. The placement group belongs to
@@ -279,9 +287,9 @@ def reserve_replica_ranks(replica_id: str, server_args: dict, tp_size: int = 1,
     from ray.util.placement_group import remove_placement_group
 
     device = resolve_device(split_server_args(server_args)[1]["device"])
-    # Not under the head's own prefix (ACTOR_PREFIX + id + "/"): a restarted head removes
-    # what is left under that prefix, and this group must outlive head restarts.
-    pg = reserve_rank_bundles(tp_size, device, name=f"{ACTOR_PREFIX}{replica_id}")
+    # Not under the head's own prefix (this name + "/"): a restarted head removes what is
+    # left under that prefix, and this group must outlive head restarts.
+    pg = reserve_rank_bundles(tp_size, device, name=pg_name(namespace, replica_id))
     started = time.monotonic()
     try:
         while True:
@@ -304,8 +312,8 @@ def reserve_replica_ranks(replica_id: str, server_args: dict, tp_size: int = 1,
 def start_replica(replica_id: str, model_path: str, server_args: dict, tp_size: int = 1,
                   host: str = "127.0.0.1", port: int | None = None,
                   http_args: dict | None = None, step_timeout_s: float = 60.0,
-                  reserved: tuple | None = None):
-    """Create the named replica actor (``replica:<id>`` in namespace ``radixray``) on the node
+                  reserved: tuple | None = None, namespace: str = NAMESPACE):
+    """Create the named replica actor (``replica:<id>`` in ``namespace``) on the node
     of its rank 0 and wait until it serves. Needs ``ray.init`` first. ``reserved``: what
     ``reserve_replica_ranks`` returned, for a caller that needed rank 0's node first (to pick
     a port there); None: reserved here.
@@ -316,11 +324,13 @@ def start_replica(replica_id: str, model_path: str, server_args: dict, tp_size: 
     import ray
     from ray.util.placement_group import remove_placement_group
 
-    pg, node_id, device = reserved or reserve_replica_ranks(replica_id, server_args, tp_size)
+    pg, node_id, device = reserved or reserve_replica_ranks(replica_id, server_args, tp_size,
+                                                            namespace=namespace)
     log.info("replica %s: ranks on %s, head on rank 0's node %s", replica_id, device, node_id)
-    actor = ray.remote(ReplicaServer).options(**replica_actor_options(replica_id, node_id)).remote(
+    options = replica_actor_options(replica_id, node_id, namespace)
+    actor = ray.remote(ReplicaServer).options(**options).remote(
         replica_id, model_path, {**server_args, "device": device}, tp_size, host, port,
-        http_args, step_timeout_s, pg)
+        http_args, step_timeout_s, pg, namespace)
     try:
         ray.get(actor.get_url.remote(), timeout=START_TIMEOUT_S)
     except Exception as e:  # leave nothing behind: no head, no reserved bundles

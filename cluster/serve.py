@@ -111,6 +111,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="data-parallel replicas behind the router")
     g.add_argument("--ray-address", default=None,
                    help="Ray cluster to join (e.g. auto); None: start a local Ray")
+    g.add_argument("--ray-namespace", default="radixray",
+                   help="Ray namespace of this deployment's replicas (the router discovers "
+                        "them there); give each serve on one Ray cluster its own")
     g.add_argument("--router-policy", default="cache_aware", choices=POLICY_NAMES,
                    help="routing policy (see radixray router --help)")
     g.add_argument("--placement-timeout", type=float, default=PLACEMENT_TIMEOUT_S,
@@ -184,14 +187,15 @@ def missing_resources(cluster: dict, device: str, ranks: int) -> str | None:
     return ", ".join(short) or None
 
 
-def discovery_args(ray) -> list[str]:
-    """The router's flags to watch this driver's Ray cluster; none when its GCS address is not
-    known here (a Ray Client connection): the router then keeps the start-up URLs."""
+def discovery_args(ray, namespace: str) -> list[str]:
+    """The router's flags to watch this driver's Ray cluster for the replicas in ``namespace``;
+    none when its GCS address is not known here (a Ray Client connection): the router then
+    keeps the start-up URLs."""
     try:
         address = ray.get_runtime_context().gcs_address
     except Exception:  # noqa: BLE001 - any failure only costs discovery
         return []
-    return ["--ray-address", address] if address else []
+    return ["--ray-address", address, "--ray-namespace", namespace] if address else []
 
 
 def server_args_from(args: argparse.Namespace) -> dict:
@@ -210,7 +214,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from ..scheduler.config import SchedulerConfig
     from ..worker.make_model import ensure_default_model
     from .engine import split_server_args
-    from .replica import NAMESPACE, port_is_free, reserve_replica_ranks, start_replica
+    from .replica import port_is_free, reserve_replica_ranks, start_replica
     from .worker_group import resolve_device
 
     model_path = args.model_path
@@ -253,7 +257,7 @@ def run_serve(args: argparse.Namespace) -> int:
     replicas, router = [], None
     signal.signal(signal.SIGTERM, stop)
     try:
-        ray.init(address=args.ray_address or "local", namespace=NAMESPACE,
+        ray.init(address=args.ray_address or "local", namespace=args.ray_namespace,
                  include_dashboard=False, log_to_driver=False)
         signal.signal(signal.SIGTERM, stop)  # again: ray.init installs its own
         gpus = ray.cluster_resources().get("GPU", 0)
@@ -269,12 +273,12 @@ def run_serve(args: argparse.Namespace) -> int:
         nodes = []  # of the replicas started so far
         for i in range(args.replicas):
             reserved = reserve_replica_ranks(str(i), server_args, args.tp_size,
-                                             args.placement_timeout)
+                                             args.placement_timeout, args.ray_namespace)
             port = replica_port(args.replica_port_policy, base_port, i, nodes, reserved[1])
             nodes.append(reserved[1])
             replicas.append(start_replica(str(i), model_path, server_args, args.tp_size,
                                           replica_host, port, http_args, args.step_timeout,
-                                          reserved=reserved))
+                                          reserved=reserved, namespace=args.ray_namespace))
         urls = ray.get([r.get_url.remote() for r in replicas])
         print(f"radixray: {len(urls)} replica(s) ready: {' '.join(urls)}", flush=True)
         # The router starts with the replicas' URLs and also watches Ray: a head that Ray
@@ -282,7 +286,7 @@ def run_serve(args: argparse.Namespace) -> int:
         router = subprocess.Popen([
             sys.executable, "-m", "radixray.router", "--host", args.host, "--port",
             str(args.port), "--policy", args.router_policy, "--worker-urls", *urls,
-            *discovery_args(ray)],
+            *discovery_args(ray, args.ray_namespace)],
             preexec_fn=_die_with_parent(), env=router_env(args.api_key))
         print(f"radixray serving {args.served_model_name or model_path} at "
               f"http://{args.host}:{args.port} (router; OpenAI API under /v1, SGLang native "

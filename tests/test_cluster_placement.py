@@ -104,6 +104,19 @@ def test_head_is_pinned_to_rank_zeros_node():
     assert options["num_cpus"] == 0 and options["max_restarts"] == -1
 
 
+def test_two_deployments_in_one_cluster_name_nothing_alike():
+    """Placement group names are global in a Ray cluster: a second serve (another model) on
+    the cluster failed with "placement group 'replica:0' already exists", and a restarted head
+    would have removed the other deployment's worker groups (it removes its name prefix's)."""
+    from radixray.cluster.replica import pg_name
+    from radixray.cluster.cli import build_parser
+
+    assert replica_actor_options("0", "ab" * 28, "team-b")["namespace"] == "team-b"
+    a, b = pg_name(NAMESPACE, "0"), pg_name("team-b", "0")
+    assert a != b and not (a + "/").startswith(b + "/") and not (b + "/").startswith(a + "/")
+    assert build_parser().parse_args(["serve"]).ray_namespace == NAMESPACE
+
+
 # ------------------------------------------------------------------ bug 3: replica ports
 def test_per_replica_ports_are_unique_in_the_cluster():
     nodes = ["a", "b", "a", "c"]

@@ -166,13 +166,13 @@ def test_wildcard_replica_advertises_its_node_and_sits_with_rank_zero(ray_sessio
     from ray.util import placement_group_table
     from ray.util.placement_group import PlacementGroup
 
-    from radixray.cluster.replica import ACTOR_PREFIX, start_replica
+    from radixray.cluster.replica import NAMESPACE, pg_name, start_replica
     from radixray.cluster.tp_worker import free_port
     from radixray.cluster.worker_group import bundle_node_id
 
     def reserved():
         return [e for e in placement_group_table().values()
-                if e["name"] == f"{ACTOR_PREFIX}anyhost" and e["state"] != "REMOVED"]
+                if e["name"] == pg_name(NAMESPACE, "anyhost") and e["state"] != "REMOVED"]
 
     port = free_port()
     actor = start_replica("anyhost", tiny_qwen2_path, {"max_total_tokens": 512, "device": "auto"},

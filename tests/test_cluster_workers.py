@@ -68,9 +68,10 @@ def test_a_replica_waits_for_room_as_long_as_it_is_told(ray_session, monkeypatch
     monkeypatch.setattr(replica, "PLACEMENT_PROGRESS_S", 0.4)
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="within 2s .*--placement-timeout"):
-        replica.reserve_replica_ranks("waits", {"device": "cuda"}, tp_size=1, timeout_s=1.5)
+        replica.reserve_replica_ranks("waits", {"device": "cuda"}, tp_size=1, timeout_s=1.5,
+                                      namespace="elsewhere")
     assert time.monotonic() - started >= 1.5
     assert "waiting for a node with room for 1 rank(s) on cuda" in caplog.text
     ours = [pg["state"] for pg in ray.util.placement_group_table().values()
-            if pg["name"] == "replica:waits"]
+            if pg["name"] == replica.pg_name("elsewhere", "waits")]
     assert ours == ["REMOVED"]
