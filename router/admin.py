@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from .bodies import read_body
 from .circuit import STATE_NAMES
 from .proxy import error_response
 from .workers import normalize_url
@@ -73,7 +74,7 @@ def admin_routes(router) -> list[Route]:
     async def add_worker(request: Request) -> Response:
         """{"url": ...} or ?url=...: 201 when added, 200 when already known."""
         try:
-            body = json.loads(await request.body() or b"{}")
+            body = json.loads(await read_body(request, router.config.max_payload_size) or b"{}")
         except (ValueError, RecursionError) as exc:
             return error_response(request.url.path, 400, f"body: malformed JSON ({exc})")
         url = body.get("url") if isinstance(body, dict) else None

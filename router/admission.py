@@ -24,8 +24,9 @@ class Admission:
         self.waiting = 0
         self.active = 0
 
-    async def acquire(self) -> None:
-        """Take a slot, waiting in the queue if needed; raises Rejected when full or timed out."""
+    async def acquire(self) -> bool:
+        """Take a slot, waiting in the queue if needed; raises Rejected when full or timed out.
+        Returns True (so that a caller cancelling it can tell a slot taken from none)."""
         if self.limited:
             if self._sem.locked():
                 if self.waiting >= self.queue_size:
@@ -42,6 +43,7 @@ class Admission:
             else:
                 await self._sem.acquire()
         self.active += 1
+        return True
 
     def release(self) -> None:
         """Give the slot back (exactly once per successful acquire)."""

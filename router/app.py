@@ -4,8 +4,9 @@ Generation routes (/generate, /v1/completions, /v1/chat/completions) go through 
 and the routing policy; info routes go to any available worker; /flush_cache and /abort_request
 go to every healthy worker, whatever its circuit breaker says (a worker whose circuit is open still
 runs requests to abort and holds a cache to flush).
-/workers manages the worker set at run time, /metrics exposes Prometheus metrics, /health says
-whether any worker is healthy. No torch, and no other radixray folder, is imported here.
+/workers manages the worker set at run time, /metrics exposes Prometheus metrics, /health and
+/readiness say whether any worker is healthy, /liveness that the router itself runs. No torch,
+and no other radixray folder, is imported here.
 """
 
 from __future__ import annotations
@@ -20,19 +21,20 @@ import time
 import httpx
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from .admin import admin_routes
 from .admission import Admission, Rejected
+from .bodies import Offloader, PayloadTooLarge, read_body
 from .config import CACHE_EPOCH_HEADER, RouterConfig
 from .health import HealthChecker
 from .metrics import EXPOSITION_CONTENT_TYPE, RouterMetrics
-from .policies import RequestInfo, make_policy
+from .policies import make_policy
 from .proxy import Proxy, downstream_headers, error_response, upstream_headers
 from .disconnect import until_disconnect
-from .request import BadRequest, request_text, routing_key
+from .request import BadRequest, read_request
 from .tree import ApproxRadixTree
 from .workers import WorkerRegistry
 
@@ -64,6 +66,7 @@ class Router:
 
             self.discovery = RayDiscovery(config, self.registry, self.remove_worker,
                                           discovery_lister, discovery_url_of)
+        self.offload = Offloader()
         self.client: httpx.AsyncClient | None = None
         self.proxy: Proxy | None = None
         self.admission: Admission | None = None
@@ -84,7 +87,7 @@ class Router:
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
         self.admission = Admission(c.max_concurrent_requests, c.queue_size, c.queue_timeout)
         self.proxy = Proxy(c, self.registry, self.tree, self.policy, self.metrics, self.client,
-                           self.rng)
+                           self.rng, self.offload)
         health = HealthChecker(self.registry, self.client, c)
         self._tasks = [asyncio.create_task(health.check_all()),  # learn the truth right away
                        asyncio.create_task(health.run()),
@@ -100,6 +103,7 @@ class Router:
                 await task
         if self.client is not None:
             await self.client.aclose()
+        await asyncio.to_thread(self.offload.close, True)
 
     def sweep(self) -> None:
         """Drop tree entries of workers that are gone or unhealthy; re-assert the bound."""
@@ -133,26 +137,31 @@ class Router:
             if admitted:
                 self.admission.release()
 
-        # Only a body that cannot be routed is refused here (in the replica's words); any
-        # other problem is the replica's to name, so both ports answer alike.
-        raw = await request.body()
+        # Only a body too large or that cannot be routed is refused here (in the replica's
+        # words); any other problem is the replica's to name, so both ports answer alike.
         try:
-            body = json.loads(raw) if raw else None
-            if not isinstance(body, dict):
-                raise BadRequest("body: must be a JSON object")
-            info = RequestInfo(request_text(body), routing_key(body, request.headers))
+            raw = await read_body(request, self.config.max_payload_size)
+            info = await self.offload.run(len(raw), read_request, raw,
+                                          request.headers.get("x-routing-key"),
+                                          route == "/generate")
+        except PayloadTooLarge as exc:
+            return self._reject(route, 413, exc.detail, finish)
         except BadRequest as exc:
             return self._reject(route, 400, str(exc), finish)
-        except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, nested too deep
-            return self._reject(route, 400, f"body: malformed JSON ({exc})", finish)
+        except ClientDisconnect:  # left while sending the body
+            finish(499)
+            return Response(status_code=499)
         try:
-            await self.admission.acquire()
+            # A client that leaves while queued gives its place up at once (None: it left,
+            # and the cancelled acquire took no slot).
+            admitted = await until_disconnect(request, self.admission.acquire()) is True
         except Rejected as exc:
             return self._reject(route, 429, str(exc), finish)
-        admitted = True
+        if not admitted:
+            finish(499)
+            return Response(status_code=499)
         try:
-            forward = self.proxy.forward(route, raw, info, request.headers,
-                                         body.get("stream") is True, finish)
+            forward = self.proxy.forward(route, raw, info, request.headers, finish)
             answer = await until_disconnect(request, forward)
         except BaseException:
             finish(499)  # cancelled or crashed: free the slot
@@ -168,18 +177,32 @@ class Router:
         return error_response(route, status, message)
 
     async def info(self, request: Request) -> Response:
-        return await self.proxy.forward_plain(request.method, request.url.path,
-                                              await request.body(), request.headers)
+        raw = await read_body(request, self.config.max_payload_size)
+        return await self.proxy.forward_plain(request.method, request.url.path, raw,
+                                              request.headers)
 
     async def health(self, request: Request) -> Response:
-        """Ok while any worker passes its health checks: an open circuit is the breaker's
-        judgement of recent requests, and it lets traffic through again on its own (or at the
-        worker's next passing check), so the router is not down for it."""
+        """/health and /readiness: ok while any worker passes its health checks. An open
+        circuit is the breaker's judgement of recent requests, and it lets traffic through
+        again on its own (or at the worker's next passing check), so the router is not down
+        for it."""
         healthy = self.registry.healthy()
         if healthy:
             return PlainTextResponse(f"ok: {len(healthy)} of {len(self.registry)} workers "
                                      f"healthy, {len(self.registry.available())} available")
-        return error_response("/health", 503, "no healthy worker")
+        return error_response(request.url.path, 503, "no healthy worker")
+
+    async def liveness(self, request: Request) -> Response:
+        """Ok whenever this answers at all (the process and its event loop run), whatever the
+        workers' state: a liveness probe restarts the router, which cures no worker."""
+        return PlainTextResponse("ok")
+
+    def _unreachable(self, worker, exc: httpx.HTTPError) -> str:
+        """A request of the router's own to ``worker`` failed: as the proxy does, a refused
+        connection takes the worker out until a health check passes. The failure, in words."""
+        if isinstance(exc, httpx.ConnectError):
+            self.registry.mark_unhealthy(worker)
+        return f"{type(exc).__name__}: {exc}"
 
     async def flush_cache(self, request: Request) -> Response:
         """Flush every healthy worker; the tree forgets those that flushed."""
@@ -193,28 +216,30 @@ class Router:
         async def flush(worker):
             try:
                 resp = await self.client.post(worker.url + "/flush_cache", headers=headers)
-                self.registry.observe_epoch(worker, resp.headers.get(CACHE_EPOCH_HEADER))
-                return worker, resp.status_code, resp.text
             except httpx.HTTPError as exc:
-                return worker, 502, f"{type(exc).__name__}: {exc}"
+                return worker, None, self._unreachable(worker, exc)
+            self.registry.observe_epoch(worker, resp.headers.get(CACHE_EPOCH_HEADER))
+            return worker, resp.status_code, f"HTTP {resp.status_code} {resp.text.strip()[:200]}"
 
         results = await asyncio.gather(*(flush(w) for w in workers))
-        failed, unauthorized = [], False
+        failed, statuses = [], []
         for worker, status, text in results:
             if status == 200:
                 self.tree.remove_tenant(worker.url)
             else:
-                unauthorized |= status == 401
-                failed.append(f"{worker.url}: HTTP {status} {text.strip()[:200]}")
+                failed.append(f"{worker.url}: {text}")
+                statuses.append(status or 502)  # 502: no answer from it
         if failed:
-            return PlainTextResponse("flush failed on " + "; ".join(failed),
-                                     status_code=401 if unauthorized else 400)
+            # The workers' own status, the lowest first: a client error (a missing API key)
+            # is what the caller can act on.
+            return error_response("/flush_cache", min(statuses),
+                                  "flush failed on " + "; ".join(failed))
         return PlainTextResponse(f"Cache flushed on {len(results)} workers.\n")
 
     async def abort_request(self, request: Request) -> Response:
         """Pass the abort to every healthy worker: the router does not track which worker
         holds a rid, and a worker that does not know it has nothing to abort."""
-        raw = await request.body()
+        raw = await read_body(request, self.config.max_payload_size)
         workers = self.registry.healthy()
         if not workers:
             return error_response("/abort_request", 503, "no healthy worker")
@@ -225,7 +250,7 @@ class Router:
                                               headers=upstream_headers(request.headers))
                 return resp.status_code, resp.content, resp.headers
             except httpx.HTTPError as exc:
-                return None, f"{worker.url}: {type(exc).__name__}: {exc}".encode(), {}
+                return None, f"{worker.url}: {self._unreachable(worker, exc)}".encode(), {}
 
         results = await asyncio.gather(*(abort(w) for w in workers))
         # A worker unreachable now has nothing running to abort (its health checks will say
@@ -265,6 +290,8 @@ def build_app(config: RouterConfig, router: Router | None = None) -> Starlette:
     routes += [Route(path, router.info, methods=["GET", "POST"]) for path in INFO_ROUTES]
     routes += [
         Route("/health", router.health, methods=["GET"]),
+        Route("/readiness", router.health, methods=["GET"]),  # SGLang's gateway names
+        Route("/liveness", router.liveness, methods=["GET"]),
         # GET too: a replica (cluster/http_server.py) and SGLang accept both
         Route("/flush_cache", router.flush_cache, methods=["GET", "POST"]),
         Route("/abort_request", router.abort_request, methods=["POST"]),
@@ -272,11 +299,11 @@ def build_app(config: RouterConfig, router: Router | None = None) -> Starlette:
         *admin_routes(router),
     ]
 
-    async def no_such_route(request: Request, exc: HTTPException) -> Response:
-        # 404 / 405 in the replica's error shape (OpenAI's on /v1/...)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        # 404 / 405 / 413 in the replica's error shape (OpenAI's on /v1/...)
         return error_response(request.url.path, exc.status_code, exc.detail, exc.headers)
 
     app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={HTTPException: no_such_route})
+                    exception_handlers={HTTPException: http_error})
     app.state.router = router
     return app

@@ -12,7 +12,7 @@ import argparse
 import logging
 import os
 
-from .config import POLICY_NAMES, WORKER_API_KEY_ENV, RouterConfig
+from .config import LOG_LEVELS, POLICY_NAMES, WORKER_API_KEY_ENV, RouterConfig
 
 D = RouterConfig()
 
@@ -44,12 +44,12 @@ _FLAGS = [
     ("--request-timeout", float, "seconds a worker may take to answer"),
     ("--connect-timeout", float, "seconds to connect to a worker"),
     ("--shutdown-timeout", float, "seconds in-flight requests get to finish on SIGTERM"),
+    ("--max-payload-size", int, "largest request body in bytes; larger ones get 413"),
     ("--ray-address", str, "Ray cluster to watch for replicas (e.g. auto or ray://host:10001)"),
     ("--ray-namespace", str, "namespace the replicas register in"),
     ("--ray-actor-prefix", str, "name prefix of replica actors"),
     ("--discovery-interval", float, "seconds between Ray discovery polls"),
     ("--seed", int, "seed of the random tie-breaks"),
-    ("--log-level", str, "uvicorn and router log level"),
 ]
 
 
@@ -60,6 +60,9 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         "POST /workers)")
     parser.add_argument("--policy", choices=POLICY_NAMES, default=D.policy,
                         help=f"routing policy (default: {D.policy})")
+    # choices: a bad level is a usage error here, not a traceback from logging at start-up
+    parser.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default=D.log_level,
+                        help=f"uvicorn and router log level (default: {D.log_level})")
     for flag, kind, text in _FLAGS:
         dest = flag[2:].replace("-", "_")
         default = getattr(D, dest)
@@ -78,10 +81,12 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 def serve(config: RouterConfig) -> None:
     """Serve a router with ``config`` until interrupted (blocks; for `radixray serve`)."""
     import uvicorn
+    from uvicorn.config import LOG_LEVELS as UVICORN_LEVELS
 
     from .app import build_app
 
-    logging.basicConfig(level=config.log_level.upper(),
+    # by number: "trace" is uvicorn's own level, unknown to logging until uvicorn configures it
+    logging.basicConfig(level=UVICORN_LEVELS[config.log_level],
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request is noise
     uvicorn.run(build_app(config), host=config.host, port=config.port,

@@ -7,6 +7,7 @@ differ and why.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 WORKER_API_KEY_ENV = "RADIXRAY_WORKER_API_KEY"
@@ -19,7 +20,10 @@ CACHE_EPOCH_HEADER = "x-radixray-cache-epoch"
 RESTARTING_HEADER = "x-radixray-restarting"
 # Error "type" by status, as the replicas and SGLang name them (router and replica answer alike)
 ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-               429: "TooManyRequests", 502: "BadGatewayError", 503: "ServiceUnavailableError"}
+               413: "PayloadTooLargeError", 429: "TooManyRequests", 502: "BadGatewayError",
+               503: "ServiceUnavailableError"}
+# uvicorn's log levels (it names "trace", below debug, for the stdlib logging too)
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 POLICY_NAMES = ("cache_aware", "round_robin", "random", "power_of_two", "least_load",
                 "consistent_hash")
 
@@ -85,6 +89,9 @@ class RouterConfig:
     queue_size: int = 128
     queue_timeout: float = 60.0
     request_timeout: float = 1800.0  # SGLang's; long generations are legitimate
+    # Request bodies larger than this many bytes are refused with 413 (SGLang's gateway: 256 MiB,
+    # its --max-payload-size). The router holds a body whole while it routes and forwards it.
+    max_payload_size: int = 256 << 20
     # On SIGTERM, requests in flight get this long to finish, then are cut: within Kubernetes'
     # default 30 s grace period, and a long generation cannot hold a shutdown for minutes.
     shutdown_timeout: float = 25.0
@@ -108,6 +115,15 @@ class RouterConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
+        for f in fields(self):
+            # NaN passes every comparison below, and inf overflows where a number becomes an
+            # int (a worker's tree bound): no knob means "unbounded" by an infinite value.
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{f.name}: must be a finite number, got {value}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level: must be one of {', '.join(LOG_LEVELS)}, "
+                             f"got {self.log_level!r}")
         if self.policy not in POLICY_NAMES:
             raise ValueError(f"policy: must be one of {', '.join(POLICY_NAMES)}, "
                              f"got {self.policy!r}")
@@ -125,6 +141,8 @@ class RouterConfig:
             raise ValueError("max_retries: must be >= 0")
         if self.queue_size < 0:
             raise ValueError("queue_size: must be >= 0")
+        if self.max_payload_size < 1:
+            raise ValueError("max_payload_size: must be >= 1 byte")
         for name in ("eviction_interval", "health_check_interval", "health_check_timeout",
                      "retry_initial_backoff", "retry_max_backoff", "breaker_window",
                      "breaker_cooldown", "queue_timeout", "request_timeout", "connect_timeout",

@@ -7,14 +7,22 @@ tenant of the router's own radix tree), so ``cached_tokens`` behaves like an eng
 router's real-hit-rate metric and the benchmarks can be exercised without a model. One character
 counts as one token.
 
+/generate takes a batch (a list of ``text``, or of ``input_ids`` lists) and ``sampling_params.n``
+and answers as a replica: one result per copy, prompt-major, each copy reporting its prompt's
+tokens (streamed events carry that copy's ``index``).
+
 Knobs on the FakeWorker object (tests flip them while it serves): ``fail_status`` answers every
 generation with that status; ``delay`` waits before answering; ``chunk_delay`` paces stream
-chunks; ``health_status`` is what /health returns; ``restarting`` answers as a radixray replica
-swapping in new ranks does (generation: its "replica is restarting" 503, /health: 503, and no
-cache epoch, as it has no engine); ``restart()`` empties the cache as a restarted engine's, under
-a new engine id (every answer carries the cache epoch header ``<engine>.<flushes>``, as a
-replica's; a flush counts up ``<flushes>``). A client that disconnects during ``delay`` is
-counted in ``cancelled_requests``, the way an engine aborts such a request.
+chunks; ``stream_abort`` (a finish reason such as ``{"type": "abort", "message": "engine died",
+"status_code": 503}``) ends every stream after its first token in-band, as a replica whose
+request was aborted: native answers finish with that reason, /v1 streams send the replica's
+error event; ``health_status`` is what /health returns; ``restarting`` answers as a radixray
+replica swapping in new ranks does (generation: its "replica is restarting" 503, /health: 503,
+and no cache epoch, as it has no engine); ``restart()`` empties the cache as a restarted
+engine's, under a new engine id (every answer carries the cache epoch header
+``<engine>.<flushes>``, as a replica's; a flush counts up ``<flushes>``). A client that
+disconnects during ``delay`` is counted in ``cancelled_requests``, the way an engine aborts such
+a request.
 
 ``serve_in_thread(app)`` runs any ASGI app with uvicorn on 127.0.0.1 in a daemon thread;
 ``python -m radixray.router.fake_worker --port 0`` runs one in its own process and prints
@@ -51,6 +59,7 @@ class FakeWorker:
         self.chunk_delay = chunk_delay
         self.api_key = api_key  # required by /get_server_info and /flush_cache when set
         self.fail_status: int | None = None
+        self.stream_abort: dict | None = None
         self.health_status = 200
         self.restarting = False
         self.requests = 0  # generation requests received
@@ -98,6 +107,7 @@ class FakeWorker:
         return "".join(chr(97 + (len(text) + i) % 26) for i in range(self.output_len))
 
     async def _generation(self, request: Request):
+        """(the request's body, None), or (None, the answer) when it is not to be served."""
         self.requests += 1
         raw = await request.body()
         if self.restarting:
@@ -108,9 +118,17 @@ class FakeWorker:
         if self.fail_status is not None:
             return None, JSONResponse({"error": {"message": f"{self.name} failing on purpose"}},
                                       status_code=self.fail_status)
-        body = json.loads(raw)
-        text = request_text(body)
-        return (body, text, self._cached(text), self._output(text)), None
+        return json.loads(raw), None
+
+    @staticmethod
+    def _native_prompts(body: dict) -> tuple[list[str], bool]:
+        """Each prompt's text (token ids one character each), and whether it was a batch."""
+        text, ids = body.get("text"), body.get("input_ids")
+        if isinstance(text, list):
+            return [request_text({"text": t}) for t in text], True
+        if text is None and isinstance(ids, list) and ids and isinstance(ids[0], list):
+            return [request_text({"input_ids": i}) for i in ids], True
+        return [request_text(body)], False
 
     @staticmethod
     async def _client_left_within(request: Request, seconds: float) -> bool:
@@ -127,28 +145,45 @@ class FakeWorker:
         return True
 
     async def generate(self, request: Request):
-        parsed, error = await self._generation(request)
+        body, error = await self._generation(request)
         if error is not None:
             return error
-        body, text, cached, out = parsed
+        texts, batch = self._native_prompts(body)
+        params = body.get("sampling_params")
+        n = (params.get("n") or 1) if isinstance(params, dict) else 1
+        copies = []  # (prompt, cached, output) per copy, prompt-major; copies share the prompt
+        for text in texts:
+            cached, out = self._cached(text), self._output(text)
+            copies += [(text, cached, out)] * n
+        multi = batch or n > 1
 
-        def meta(n_out, done):
+        def result(copy, index, n_out, done):
+            text, cached, out = copy
             finish = {"type": "length", "length": n_out} if done else None
-            return {"id": f"{self.name}-{len(text)}", "prompt_tokens": len(text),
+            if done and self.stream_abort is not None and body.get("stream"):
+                finish = self.stream_abort
+            meta = {"id": f"{self.name}-{len(text)}", "prompt_tokens": len(text),
                     "completion_tokens": n_out, "cached_tokens": cached,
                     "finish_reason": finish, "e2e_latency": 0.0, "worker": self.name}
+            obj = {"text": out[:n_out], "output_ids": [ord(c) for c in out[:n_out]],
+                   "meta_info": meta}
+            return dict(obj, index=index) if multi and body.get("stream") else obj
 
         if body.get("stream"):
-            return self._stream([{"text": out[:i + 1], "meta_info": meta(i + 1, i + 1 == len(out))}
-                                 for i in range(len(out))])
-        return JSONResponse({"text": out, "output_ids": [ord(c) for c in out],
-                             "meta_info": meta(len(out), True)})
+            events = []
+            for index, copy in enumerate(copies):
+                length = 1 if self.stream_abort is not None else len(copy[2])
+                events += [result(copy, index, i + 1, i + 1 == length) for i in range(length)]
+            return self._stream(events)
+        results = [result(copy, i, len(copy[2]), True) for i, copy in enumerate(copies)]
+        return JSONResponse(results if multi else results[0])
 
     async def openai(self, request: Request):
-        parsed, error = await self._generation(request)
+        body, error = await self._generation(request)
         if error is not None:
             return error
-        body, text, cached, out = parsed
+        text = request_text(body)
+        cached, out = self._cached(text), self._output(text)
         chat = request.url.path.endswith("/chat/completions")
         usage = {"prompt_tokens": len(text), "completion_tokens": len(out),
                  "total_tokens": len(text) + len(out),
@@ -167,7 +202,12 @@ class FakeWorker:
         if body.get("stream"):
             events = [dict(base, choices=[choice(ch, i + 1 == len(out), True)], usage=None)
                       for i, ch in enumerate(out)]
-            if (body.get("stream_options") or {}).get("include_usage"):
+            if self.stream_abort is not None:  # the replica's in-band error (openai_serving)
+                status = self.stream_abort.get("status_code", 500)
+                message = f"request aborted: {self.stream_abort.get('message')}"
+                events = events[:1] + [{"error": {"message": message, "code": status,
+                                                  "type": "ServiceUnavailableError"}}]
+            elif (body.get("stream_options") or {}).get("include_usage"):
                 events.append(dict(base, choices=[], usage=usage))
             return self._stream(events)
         return JSONResponse(dict(base, choices=[choice(out, True, False)], usage=usage))

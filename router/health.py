@@ -84,7 +84,14 @@ class HealthChecker:
                      worker.tree_limit)
 
     async def check_all(self) -> None:
-        await asyncio.gather(*(self.check(w) for w in self.registry.all()))
+        """Check every worker at once. A check that raises (a bug, an answer nobody foresaw) is
+        logged and skips that worker this round only: an exception escaping here would end
+        ``run`` for good, and with it every later check, silently."""
+        workers = self.registry.all()
+        results = await asyncio.gather(*(self.check(w) for w in workers), return_exceptions=True)
+        for worker, result in zip(workers, results):
+            if isinstance(result, Exception):
+                log.error("health check of %s failed", worker.url, exc_info=result)
 
     async def run(self) -> None:
         """Check every worker each interval, forever (cancel the task to stop)."""

@@ -26,6 +26,10 @@ from .workers import Worker
 class RequestInfo:
     text: str  # what the tree sees (see request.py for how it is derived)
     routing_key: str | None = None  # for consistent_hash
+    stream: bool = False  # the client asked for a server-sent-event stream
+    # native: copies of each prompt in the answer, one n for all or one per prompt
+    # (request.copies_per_prompt)
+    copies: int | tuple[int, ...] = 1
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,10 @@ buffering, no re-encoding), an upstream failure becomes an in-band SSE error eve
 disconnect closes the upstream connection, which makes the worker abort the generation.
 
 Each answer's cache epoch is read before its outcome is booked on the worker's breaker, so a
-new engine's first answer is judged by the new engine's (reset) breaker.
+new engine's first answer is judged by the new engine's (reset) breaker. A stream whose worker
+ended it in-band with a server error (a replica's abort when its engine fails under the request)
+is booked as failed, as one the connection cut: its 200 went out with the first byte, but the
+answer is not what was asked.
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ import anyio
 import httpx
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from .bodies import Offloader
 from .circuit import OPEN
 from .config import CACHE_EPOCH_HEADER, ERROR_TYPES, RouterConfig
 from .metrics import RouterMetrics
 from .policies import Policy, RequestInfo, least_loaded
-from .request import SSETail, token_counts
+from .request import SSETail, answer_counts, stream_end
 from .retry import BREAKER_STATUS, RETRYABLE_STATUS, backoff_delay, is_restarting
 from .tree import ApproxRadixTree
 from .workers import Worker, WorkerRegistry
@@ -108,7 +112,7 @@ def worker_state(worker: Worker) -> str:
 class Proxy:
     def __init__(self, config: RouterConfig, registry: WorkerRegistry, tree: ApproxRadixTree,
                  policy: Policy, metrics: RouterMetrics, client: httpx.AsyncClient,
-                 rng: random.Random):
+                 rng: random.Random, offload: Offloader):
         self.config = config
         self.registry = registry
         self.tree = tree
@@ -116,8 +120,9 @@ class Proxy:
         self.metrics = metrics
         self.client = client
         self.rng = rng
+        self.offload = offload  # parses large answers off the event loop
 
-    async def forward(self, route: str, raw: bytes, info: RequestInfo, headers, stream: bool,
+    async def forward(self, route: str, raw: bytes, info: RequestInfo, headers,
                       on_done) -> Response:
         """Route one generation request, with retries. ``on_done(status)`` is called once when
         the answer is complete (for a stream: when its last byte went out or it was cut)."""
@@ -139,8 +144,8 @@ class Proxy:
             predicted = match.chars_for(worker.url)  # before the insert below marks it cached
             self.tree.insert(info.text, worker.url, worker.tree_limit)
             tried.add(worker.url)
-            send = self._send_stream if stream else self._send_once
-            result, emptied = await send(worker, route, raw, fwd, on_done)
+            send = self._send_stream if info.stream else self._send_once
+            result, emptied = await send(worker, route, raw, fwd, info, on_done)
             if not isinstance(result, Response) or result.status_code >= 400:
                 self.tree.forget(info.text, worker.url, predicted)  # it cached nothing of it
             elif emptied:
@@ -148,7 +153,8 @@ class Proxy:
                 # but this request's prefix is cached there now.
                 self.tree.insert(info.text, worker.url, worker.tree_limit)
             if isinstance(result, Response):
-                self.metrics.record_prediction(predicted, len(info.text))
+                if result.status_code < 300:  # a refused request is no prediction to judge
+                    self.metrics.record_prediction(predicted, len(info.text))
                 return result
             self.metrics.errors.labels(worker.url, result.kind).inc()
             failures.append(f"{worker.url}: {result.message}")
@@ -235,12 +241,7 @@ class Proxy:
         """Read the answer's cache epoch (True: the worker's cache was emptied since)."""
         return self.registry.observe_epoch(worker, resp.headers.get(CACHE_EPOCH_HEADER))
 
-    def _record_usage(self, payload) -> None:
-        counts = token_counts(payload)
-        if counts is not None:
-            self.metrics.record_real(*counts)
-
-    async def _send_once(self, worker: Worker, route, raw, fwd, on_done):
+    async def _send_once(self, worker: Worker, route, raw, fwd, info, on_done):
         """One attempt: (the answer, or a Failure; whether the worker's cache was emptied)."""
         worker.load += 1
         try:
@@ -256,14 +257,14 @@ class Proxy:
         worker.breaker.record_success()
         if resp.status_code == 200:
             worker.served += 1
-            try:
-                self._record_usage(json.loads(resp.content))
-            except ValueError:
-                pass  # not JSON: nothing to learn about the cache
+            counts = await self.offload.run(len(resp.content), answer_counts, resp.content,
+                                            info.copies)
+            if counts is not None:
+                self.metrics.record_real(*counts)
         on_done(resp.status_code)
         return answer, emptied
 
-    async def _send_stream(self, worker: Worker, route, raw, fwd, on_done):
+    async def _send_stream(self, worker: Worker, route, raw, fwd, info, on_done):
         """As ``_send_once``; a stream whose first byte came is committed to this worker."""
         worker.load += 1
         resp = None
@@ -278,7 +279,8 @@ class Proxy:
                 except StopAsyncIteration:
                     first = b""
                 emptied = self._observe_epoch(worker, resp)
-                return self._commit_stream(worker, resp, first, chunks, on_done), emptied
+                return self._commit_stream(worker, resp, first, chunks, info,
+                                           on_done), emptied
             body = await resp.aread()  # an error answer is small: read it whole
         except httpx.HTTPError as exc:
             await _close(resp)
@@ -298,7 +300,7 @@ class Proxy:
         on_done(resp.status_code)
         return answer, emptied
 
-    def _commit_stream(self, worker: Worker, resp: httpx.Response, first: bytes, chunks,
+    def _commit_stream(self, worker: Worker, resp: httpx.Response, first: bytes, chunks, info,
                        on_done) -> Response:
         """Pass the rest of an upstream stream through; the cleanup settles the accounts."""
         tail = SSETail()
@@ -323,11 +325,18 @@ class Proxy:
         async def cleanup():
             await _close(resp)  # before the end of a stream, this aborts the upstream request
             worker.load -= 1
+            if state["outcome"] == "finished":
+                counts, failed = await self.offload.run(tail.size, stream_end, tail.last_events,
+                                                        info.copies)
+                if failed:  # ended in-band with a server error: the worker failed it
+                    state["outcome"] = "failed"
+                    self.metrics.errors.labels(worker.url, "stream").inc()
+                elif counts is not None:
+                    self.metrics.record_real(*counts)
             outcome = state["outcome"]
             if outcome == "finished":
                 worker.breaker.record_success()
                 worker.served += 1
-                self._record_usage(tail.last_json())
             elif outcome == "failed":
                 worker.breaker.record_failure()
             # cut: the client left; no verdict on the worker

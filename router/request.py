@@ -3,12 +3,20 @@
 Request side: the text the tree matches on, and the routing key for consistent_hash; both read
 leniently, since the replica validates the request and names any problem.
 Response side: ``cached_tokens`` and ``prompt_tokens`` for the real cache hit rate, from a JSON
-body or from the last event of a server-sent-event stream.
+body or from the last event of each answer in a server-sent-event stream, and whether a stream
+that ended cleanly reported a server error in-band.
+
+``read_request``, ``answer_counts`` and ``stream_end`` take bytes and return small results, so
+the router can run them in a helper process for large bodies (bodies.py says why).
 """
 
 from __future__ import annotations
 
 import json
+import re
+from itertools import accumulate
+
+from .policies import RequestInfo
 
 MAX_CODEPOINT = 0x10FFFF
 
@@ -87,6 +95,50 @@ def routing_key(body: dict, headers) -> str | None:
     return None
 
 
+def copies_per_prompt(body: dict) -> int | tuple[int, ...]:
+    """For a native /generate body: how many copies (``n``) of each prompt its answer holds, one
+    number for every prompt or, with ``sampling_params`` given per prompt, one per prompt.
+
+    A replica (and SGLang) answers a batch or n > 1 with one result per copy, prompt-major
+    (prompt p's copies side by side; streamed events carry that index), and every copy reports
+    its prompt's prompt and cached tokens: counting the first copy only counts a prompt once,
+    whatever n, as OpenAI's ``usage`` does. 1 (each result a prompt of its own) when an ``n``
+    cannot be read: the replica refuses such a body."""
+    params = body.get("sampling_params")
+    if not isinstance(params, list):
+        return _copies(params) or 1
+    copies = tuple(_copies(p) for p in params)
+    return copies if None not in copies and any(n != 1 for n in copies) else 1
+
+
+def _copies(params) -> int | None:
+    """``n`` of one prompt's sampling params (default 1); None if it is no valid count."""
+    if params is None:
+        return 1
+    if not isinstance(params, dict):
+        return None
+    n = params.get("n")
+    if n is None:
+        return 1
+    return n if type(n) is int and n >= 1 else None
+
+
+def read_request(raw: bytes, header_key: str | None, native: bool) -> RequestInfo:
+    """What the router needs of a generation request's body (its routing text and key, whether
+    it streams, and for native requests ``copies_per_prompt``); BadRequest, worded as a replica
+    words it, for a body it cannot route: not JSON, or not a JSON object. ``header_key`` is
+    the request's X-Routing-Key header."""
+    try:
+        body = json.loads(raw) if raw else None
+    except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, nested too deep
+        raise BadRequest(f"body: malformed JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise BadRequest("body: must be a JSON object")
+    key = routing_key(body, {"x-routing-key": header_key} if header_key else {})
+    return RequestInfo(request_text(body), key, body.get("stream") is True,
+                       copies_per_prompt(body) if native else 1)
+
+
 def token_counts(obj) -> tuple[int, int] | None:
     """(cached_tokens, prompt_tokens) from a response object (or a list of them), or None.
 
@@ -111,13 +163,84 @@ def token_counts(obj) -> tuple[int, int] | None:
     return None
 
 
+def prompt_counts(results: dict, copies: int | tuple[int, ...]) -> tuple[int, int] | None:
+    """(cached, prompt) tokens of the answers in ``results`` (index -> answer object; None:
+    an answer without index), each prompt once: of its ``copies`` (``copies_per_prompt``) only
+    the first counts."""
+    if isinstance(copies, int):
+        counted = [obj for i, obj in results.items() if i is None or i % copies == 0]
+    else:
+        firsts = set(accumulate(copies[:-1], initial=0))
+        counted = [obj for i, obj in results.items() if i is None or i in firsts]
+    return token_counts(counted)
+
+
+def answer_counts(raw: bytes, copies: int | tuple[int, ...]) -> tuple[int, int] | None:
+    """``prompt_counts`` of a whole JSON answer (one object, or a list for a batch or n > 1)."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None  # not JSON: nothing to learn about the cache
+    if not isinstance(obj, list):
+        return prompt_counts({None: obj}, 1)
+    fits = len(obj) % copies == 0 if isinstance(copies, int) else len(obj) == sum(copies)
+    if not fits:
+        copies = 1  # not the layout the request asked for: count what came
+    return prompt_counts(dict(enumerate(obj)), copies)
+
+
+def server_error(obj) -> int | None:
+    """The status of a server error a stream event reports in-band, else None: an error event
+    with a ``code`` >= 500 (a /v1 stream reports an abort this way, a native one a crash), or a
+    native answer aborted with ``status_code`` >= 500 (its engine failed under it). Aborts that
+    are the client's doing carry no such status."""
+    if not isinstance(obj, dict):
+        return None
+    if isinstance(obj.get("error"), dict):
+        code = obj["error"].get("code")
+    elif obj.get("object") == "error":
+        code = obj.get("code")
+    else:
+        meta = obj.get("meta_info")
+        reason = meta.get("finish_reason") if isinstance(meta, dict) else None
+        aborted = isinstance(reason, dict) and reason.get("type") == "abort"
+        code = reason.get("status_code") if aborted else None
+    return code if type(code) is int and code >= 500 else None
+
+
+def stream_end(events: dict, copies: int | tuple[int, ...]):
+    """From the last event of each answer of a stream (``SSETail.last_events``): its
+    ``prompt_counts``, and the status of a server error it ended with (None: it did not)."""
+    payloads = {key: _event_json(event) for key, event in events.items()}
+    failed = next((code for code in map(server_error, payloads.values()) if code), None)
+    return prompt_counts(payloads, copies), failed
+
+
+def _event_json(event: bytes):
+    """An SSE event's JSON payload (its data lines joined), or None."""
+    lines = [line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")]
+    try:
+        return json.loads(b"\n".join(lines)) if lines else None
+    except (ValueError, RecursionError):
+        return None
+
+
+# A native stream of several answers (a batch, or n > 1) interleaves their events, each object
+# carrying its answer's ``index`` as its last key (the replica and SGLang add it last). Reading
+# it off the event's end keeps the bytes unparsed while they pass: parsing every event of every
+# stream would cost the router more than relaying it. An event where it is not last counts as
+# an answer without index (the stream is then judged by its last such event, as before).
+_INDEX_AT_END = re.compile(rb'"index"\s*:\s*(\d+)\s*\}\s*$')
+
+
 class SSETail:
-    """Remembers the last ``data:`` event of a stream (other than [DONE]) while the bytes pass
-    through untouched; keeps only the last complete event and the unfinished one."""
+    """Remembers the last ``data:`` event (other than [DONE]) of each answer in a stream, while
+    the bytes pass through untouched: one event per answer index, and the unfinished one."""
 
     def __init__(self):
         self._partial = b""
-        self.last_event = b""
+        self.last_events: dict[int | None, bytes] = {}
+        self.size = 0  # bytes held in last_events
 
     def feed(self, chunk: bytes) -> None:
         buf = self._partial + chunk
@@ -126,19 +249,10 @@ class SSETail:
             self._partial = buf
             return
         complete, self._partial = buf[:end], buf[end + 2:]
-        # [DONE] ends a stream and may share a chunk with the event we want: look at two.
-        for event in reversed(complete.rsplit(b"\n\n", 2)[-2:]):
-            if b"data:" in event and event.strip() != b"data: [DONE]":
-                self.last_event = event
-                break
-
-    def last_json(self):
-        """The last event's JSON payload, or None."""
-        lines = [line[5:].strip() for line in self.last_event.split(b"\n")
-                 if line.startswith(b"data:")]
-        if not lines:
-            return None
-        try:
-            return json.loads(b"\n".join(lines))
-        except ValueError:
-            return None
+        for event in complete.split(b"\n\n"):
+            if b"data:" not in event or event.strip() == b"data: [DONE]":
+                continue
+            match = _INDEX_AT_END.search(event[-64:])
+            key = int(match[1]) if match else None
+            self.size += len(event) - len(self.last_events.get(key, b""))
+            self.last_events[key] = event

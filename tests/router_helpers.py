@@ -1,6 +1,9 @@
 """Fake workers and a router served in threads, for the router tests that need real HTTP
 (``servers``, the fixture that stops them, is in conftest.py)."""
 
+import socket
+import time
+
 import httpx
 
 from radixray.router.app import Router, build_app
@@ -26,3 +29,28 @@ def start_fakes(servers, n):
         servers.append(server)
         urls.append(server.url)
     return fakes, urls
+
+
+def metric(client, sample: str) -> float:
+    """The value of one sample of the router's /metrics (``name`` or ``name{labels}``), 0 if
+    absent (a counter never incremented has no sample)."""
+    for line in client.get("/metrics").text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name == sample:
+            return float(value)
+    return 0.0
+
+
+def wait_until(condition, seconds: float = 5.0) -> bool:
+    """Poll ``condition`` until it holds or ``seconds`` pass; its last value."""
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+def dead_url() -> str:
+    """A URL where nothing listens (a port bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"

@@ -13,7 +13,8 @@ from radixray.router.admission import Admission, Rejected
 from radixray.router.circuit import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from radixray.router.config import RouterConfig
 from radixray.router.discovery import RayDiscovery
-from radixray.router.request import SSETail, request_text, routing_key, token_counts
+from radixray.router.request import (SSETail, answer_counts, copies_per_prompt, request_text,
+                                     routing_key, server_error, stream_end, token_counts)
 from radixray.router.retry import backoff_delay
 from radixray.router.workers import WorkerRegistry, normalize_url
 
@@ -186,16 +187,80 @@ def test_token_counts_from_both_apis():
     assert token_counts("nope") is None
 
 
+def sse_bytes(events) -> bytes:
+    return b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events) + b"data: [DONE]\n\n"
+
+
 @pytest.mark.parametrize("split", [1, 7, 1000])
 def test_sse_tail_finds_the_last_event_whatever_the_chunking(split):
     events = [{"text": "a" * i, "meta_info": {"prompt_tokens": 9, "cached_tokens": i}}
               for i in range(1, 6)]
-    stream = b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events) + b"data: [DONE]\n\n"
+    stream = sse_bytes(events)
     tail = SSETail()
     for i in range(0, len(stream), split):
         tail.feed(stream[i:i + split])
-    assert tail.last_json() == events[-1]
-    assert token_counts(tail.last_json()) == (5, 9)
+    assert list(tail.last_events) == [None]
+    assert stream_end(tail.last_events, 1) == ((5, 9), None)
+
+
+@pytest.mark.parametrize("split", [1, 7, 1000])
+def test_sse_tail_keeps_the_last_event_of_each_answer_of_a_batch(split):
+    # a native batch stream interleaves its answers' events, ``index`` last in each (SGLang
+    # writes it without spaces); every answer's last event counts, not only the stream's
+    def event(index, cached):
+        return {"text": "x", "meta_info": {"prompt_tokens": 10 + index, "cached_tokens": cached,
+                                           "note": '"index": 9}'}, "index": index}
+    events = [event(0, 1), event(1, 1), event(0, 2), event(2, 5), event(1, 3)]
+    stream = sse_bytes(events[:4]).removesuffix(b"data: [DONE]\n\n")
+    stream += f"data: {json.dumps(events[4], separators=(',', ':'))}\n\n".encode()
+    tail = SSETail()
+    for i in range(0, len(stream), split):
+        tail.feed(stream[i:i + split])
+    assert sorted(tail.last_events) == [0, 1, 2]
+    assert stream_end(tail.last_events, 1) == ((2 + 3 + 5, 10 + 11 + 12), None)
+    # n = 2: copies 0 and 1 of the first prompt, 2 (and 3) of the second; one count per prompt
+    assert stream_end(tail.last_events, 2) == ((2 + 5, 10 + 12), None)
+
+
+def test_copies_per_prompt_of_native_n():
+    assert copies_per_prompt({"text": "a"}) == 1
+    assert copies_per_prompt({"text": ["a", "b"], "sampling_params": {"n": 1}}) == 1
+    assert copies_per_prompt({"text": ["a", "b"], "sampling_params": {"n": 3}}) == 3
+    assert copies_per_prompt({"input_ids": [[1], [2], [3]],
+                              "sampling_params": [{"n": 2}, {}, {"n": 3}]}) == (2, 1, 3)
+    assert copies_per_prompt({"text": ["a", "b"], "sampling_params": [{}, None]}) == 1
+    for bad in ({"n": 0}, {"n": "2"}, [{"n": 2}, {"n": True}], "x"):  # the replica refuses
+        assert copies_per_prompt({"text": ["a", "b"], "sampling_params": bad}) == 1
+
+
+def test_answer_counts_count_each_prompt_once():
+    def result(prompt, cached):
+        return {"meta_info": {"prompt_tokens": prompt, "cached_tokens": cached}}
+    batch = json.dumps([result(7, 2), result(7, 2), result(5, 1), result(5, 1)]).encode()
+    assert answer_counts(batch, 1) == (6, 24)
+    assert answer_counts(batch, 2) == (3, 12)
+    assert answer_counts(batch, (2, 2)) == (3, 12)
+    uneven = json.dumps([result(7, 2), result(5, 1), result(5, 1), result(5, 1)]).encode()
+    assert answer_counts(uneven, (1, 3)) == (3, 12)  # prompt 0 once, prompt 1 three times
+    assert answer_counts(batch, 3) == (6, 24)  # not the layout asked for: count every one
+    assert answer_counts(json.dumps(result(7, 2)).encode(), 1) == (2, 7)
+    assert answer_counts(b"not json", 1) is None
+
+
+@pytest.mark.parametrize("event,status", [
+    ({"meta_info": {"finish_reason": {"type": "abort", "message": "x", "status_code": 503}}},
+     503),
+    ({"meta_info": {"finish_reason": {"type": "abort", "message": "by request"}}}, None),
+    ({"meta_info": {"finish_reason": {"type": "abort", "status_code": 400}}}, None),
+    ({"meta_info": {"finish_reason": {"type": "length", "length": 3}}}, None),
+    ({"error": {"message": "request aborted: x", "type": "InternalServerError", "code": 500}},
+     500),
+    ({"error": {"message": "bad", "code": 400}}, None),
+    ({"object": "error", "message": "x", "code": 503}, 503),
+    ({"choices": [], "usage": None}, None), ("text", None),
+])
+def test_server_errors_reported_in_band(event, status):
+    assert server_error(event) == status
 
 
 def test_normalize_url():

@@ -1,0 +1,95 @@
+"""What the router books for each answer: a stream a worker ended in-band with a server error is
+a failure (bytes untouched), and the cache metrics count each prompt once, whether the answer
+is streamed, a batch or n copies, and only for answers that were served."""
+
+import httpx
+import pytest
+
+from router_helpers import metric, start_fakes, start_router, wait_until
+
+P = "radixray_router:"
+ENGINE_DIED = {"type": "abort", "message": "engine died", "status_code": 503}
+
+
+def real_counts(client) -> tuple[float, float]:
+    return (metric(client, P + "real_cached_tokens_total"),
+            metric(client, P + "real_prompt_tokens_total"))
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/generate", {"text": "a prompt", "stream": True}),
+    ("/generate", {"text": ["a prompt", "another"], "stream": True}),
+    ("/v1/completions", {"prompt": "a prompt", "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True}),
+])
+def test_a_stream_the_worker_aborts_with_a_server_error_is_booked_as_failed(servers, route,
+                                                                             body):
+    fakes, urls = start_fakes(servers, 1)
+    client, router = start_router(servers, urls, breaker_failure_threshold=1)
+    fakes[0].stream_abort = ENGINE_DIED
+    direct = httpx.post(urls[0] + route, json=body, timeout=10)
+    fakes[0].flush()  # the routed request sees the same cache
+    routed = client.post(route, json=body)
+    assert routed.status_code == 200 and routed.content == direct.content  # bytes untouched
+    assert b"engine died" in routed.content
+    route_label = f'route="{route}"'
+    assert wait_until(lambda: metric(client, P + f'requests_total{{{route_label},status="502"}}'))
+    assert metric(client, P + f'requests_total{{{route_label},status="200"}}') == 0
+    assert metric(client, P + f'errors_total{{kind="stream",worker="{urls[0]}"}}') == 1
+    assert metric(client, P + f'circuit_state{{worker="{urls[0]}"}}') == 1  # a breaker failure
+    assert router.registry.get(urls[0]).served == 0
+    assert real_counts(client) == (0, 0)
+
+
+@pytest.mark.parametrize("reason", [
+    {"type": "abort", "message": "aborted by request"},  # the client's /abort_request
+    {"type": "abort", "message": "bad grammar", "status_code": 400},  # the client's input
+])
+def test_a_stream_aborted_for_the_clients_sake_is_no_failure(servers, reason):
+    fakes, urls = start_fakes(servers, 1)
+    client, router = start_router(servers, urls, breaker_failure_threshold=1)
+    fakes[0].stream_abort = reason
+    assert client.post("/generate", json={"text": "x", "stream": True}).status_code == 200
+    assert wait_until(lambda: metric(
+        client, P + 'requests_total{route="/generate",status="200"}') == 1)
+    assert metric(client, P + f'circuit_state{{worker="{urls[0]}"}}') == 0
+    assert router.registry.get(urls[0]).served == 1
+
+
+@pytest.mark.parametrize("params", [{}, {"n": 3}])
+def test_every_prompt_of_a_batch_counts_once_streamed_or_not(servers, params):
+    fakes, urls = start_fakes(servers, 1)
+    client, router = start_router(servers, urls)
+    prompts = ["first prompt", "second, longer prompt", "third"]  # no shared prefix
+    client.post("/generate", json={"text": prompts[0]})  # cached now: the batch hits it
+    base = real_counts(client)
+    # what the answers say, each prompt once (every copy of a prompt reports the prompt's)
+    per_prompt = (len(prompts[0]) - 1, sum(map(len, prompts)))
+    for stream in (False, True):
+        fakes[0].flush()
+        fakes[0].cache.insert(prompts[0], "kv")
+        before = real_counts(client)
+        r = client.post("/generate", json={"text": prompts, "sampling_params": params,
+                                           "stream": stream})
+        assert r.status_code == 200
+        if not stream:
+            answers = r.json()
+            assert len(answers) == len(prompts) * params.get("n", 1)
+            assert {a["meta_info"]["prompt_tokens"] for a in answers[:params.get("n", 1)]} == \
+                {len(prompts[0])}
+        assert wait_until(lambda: real_counts(client) != before, 2)
+        after = real_counts(client)
+        assert (after[0] - before[0], after[1] - before[1]) == per_prompt, stream
+    assert base[1] == len(prompts[0])
+
+
+def test_an_answer_refused_by_the_worker_adds_nothing_to_the_predictions(servers):
+    fakes, urls = start_fakes(servers, 1)
+    client, router = start_router(servers, urls)
+    fakes[0].fail_status = 400
+    assert client.post("/generate", json={"text": "x" * 1000}).status_code == 400
+    assert metric(client, P + "request_chars_total") == 0
+    assert metric(client, P + "predicted_cache_hit_rate") == 0
+    fakes[0].fail_status = None
+    assert client.post("/generate", json={"text": "y" * 10}).status_code == 200
+    assert metric(client, P + "request_chars_total") == 10
