@@ -21,8 +21,12 @@ from .tool_calls import ToolPlan, ToolStream
 
 
 def _abort_error(state: RequestState) -> APIError:
+    """The error for an aborted request: its own status (5xx: the engine failed under it), else
+    400. An abort without one was asked for (/abort_request) or is about the request itself (it
+    outgrew the KV pool): a 500 there made the router retry it on another replica and count it
+    against this one's circuit breaker."""
     reason = state.finish_reason or {}
-    status = reason.get("status_code", 500)
+    status = reason.get("status_code", 400)
     return APIError(status, f"request aborted: {reason.get('message') or 'no reason given'}",
                     err_type={400: "BadRequestError", 503: "ServiceUnavailableError"}.get(
                         status, "InternalServerError"))

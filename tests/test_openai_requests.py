@@ -130,3 +130,29 @@ def test_streamed_offsets_survive_characters_split_over_tokens(client):
     whole, text, streamed = streamed_and_whole(client, body)
     assert any("\ufffd" in t for t in whole["logprobs"]["tokens"])  # some token splits one
     assert_streamed_equals_whole(whole, text, streamed)
+
+
+def test_an_aborted_completion_is_a_400_not_a_500(client, server, engine):
+    """An /abort_request'ed /v1 request answered 500: the router retried it on another replica
+    (running it again) and counted it against this one's circuit breaker."""
+    import threading
+    import time
+
+    result = {}
+
+    def long_request():
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            result["r"] = c.post("/v1/completions", json={
+                "model": MODEL_NAME, "prompt": "x", "rid": "v1-abort", "max_tokens": 1500,
+                "ignore_eos": True})
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while engine.call_sync(lambda s: "v1-abort" not in s.live):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert client.post("/abort_request", json={"rid": "v1-abort"}).json()["aborted"]
+    thread.join(30)
+    r = result["r"]
+    assert r.status_code == 400 and "request aborted: aborted by request" in r.text, r.text
