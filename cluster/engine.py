@@ -12,6 +12,8 @@ SGLang's ``/generate`` response. Server arguments take SGLang's names.
 
 from __future__ import annotations
 
+import re
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -68,7 +70,21 @@ def split_server_args(server_args: dict) -> tuple[dict, dict]:
                          + (f"s {', '.join(unknown)}" if len(unknown) > 1 else ""))
     sched = {k: v for k, v in server_args.items() if k in sched_names}
     runner = {**RUNNER_ARGS, **{k: v for k, v in server_args.items() if k in RUNNER_ARGS}}
+    _check_runner_args(runner)
     return sched, runner
+
+
+def _check_runner_args(runner: dict) -> None:
+    """ValueError naming the argument, before anything loads (torch's own errors name none)."""
+    context = runner["context_length"]
+    if context is not None and (type(context) is not int or context < 2):
+        raise ValueError("context_length: must be an integer >= 2 (None: the model's)")
+    fraction = runner["mem_fraction_static"]
+    if type(fraction) not in (int, float) or not 0 < fraction <= 1:
+        raise ValueError("mem_fraction_static: must be in (0, 1]")
+    device = runner["device"]
+    if not isinstance(device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        raise ValueError(f"device: {device!r}; use cpu, cuda, cuda:N or auto")
 
 
 class Engine:
@@ -111,16 +127,21 @@ class Engine:
             load_format=runner_args["load_format"], seed=self.config.random_seed,
             enable_hierarchical_cache=self.config.enable_hierarchical_cache,
             hicache_ratio=self.config.hicache_ratio, hicache_size=self.config.hicache_size))
+        # One generate at a time: two threads stepping one scheduler corrupt it.
+        self._lock = threading.Lock()
+        self.scheduler = self._new_scheduler()
+        self.server_args["disable_overlap_schedule"] = not self.scheduler.overlap  # effective
+        self.server_args["enable_hierarchical_cache"] = self.runner.host_pool_tokens > 0
+        self.server_args["host_pool_tokens"] = self.runner.host_pool_tokens
+
+    def _new_scheduler(self) -> Scheduler:
         mc = self.runner.model_config
         eos = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.scheduler = Scheduler(self.config, self.runner, eos_token_ids=eos,
-                                   decode=self.tokenizer.decode, vocab_size=mc.vocab_size,
-                                   tokenizer=self.tokenizer)
-        self.server_args["disable_overlap_schedule"] = not self.scheduler.overlap  # effective
-        self.server_args["enable_hierarchical_cache"] = self.runner.host_pool_tokens > 0
-        self.server_args["host_pool_tokens"] = self.runner.host_pool_tokens
+        return Scheduler(self.config, self.runner, eos_token_ids=eos,
+                         decode=self.tokenizer.decode, vocab_size=mc.vocab_size,
+                         tokenizer=self.tokenizer)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt=None, input_ids=None, sampling_params=None,
@@ -181,6 +202,7 @@ class Engine:
                              f"{context} tokens")
 
     def _token_ids(self, prompt, input_ids) -> tuple[bool, list[list[int]]]:
+        """(one prompt?, each prompt's token ids); ValueError naming a malformed argument."""
         if (prompt is None) == (input_ids is None):
             raise ValueError("prompt: give exactly one of prompt and input_ids")
         if prompt is not None:
@@ -194,12 +216,29 @@ class Engine:
         if not isinstance(input_ids, (list, tuple)) or not input_ids:
             raise ValueError("input_ids: must be a non-empty list of token ids or of lists")
         single = not isinstance(input_ids[0], (list, tuple))
+        if not single and not all(isinstance(x, (list, tuple)) for x in input_ids):
+            raise ValueError("input_ids: a batch must be a list of lists of token ids")
         return single, [list(input_ids)] if single else [list(x) for x in input_ids]
 
     def _run(self, reqs: list[Req]) -> dict[str, _Collected]:
-        """Queue all requests (all validated first), step until each has finished."""
-        if self.scheduler is None:
-            raise RuntimeError("the engine has been shut down")
+        """Queue all requests (all validated first), step until each has finished. One call at
+        a time (other threads wait). A step that raises (Ctrl-C in a notebook, a failed
+        forward) leaves the scheduler between a batch it built and the outputs it never
+        processed: it is replaced by a fresh one (the radix cache starts empty), so the engine
+        goes on serving, and the exception is raised."""
+        with self._lock:
+            if self.scheduler is None:
+                raise RuntimeError("the engine has been shut down")
+            try:
+                return self._run_locked(reqs)
+            except BaseException:
+                if self.scheduler is not None and self.scheduler.live:
+                    old, self.scheduler = self.scheduler, self._new_scheduler()
+                    if old.grammars is not None:
+                        old.grammars.backend.shutdown()
+                raise
+
+    def _run_locked(self, reqs: list[Req]) -> dict[str, _Collected]:
         seen = set()
         for r in reqs:
             if r.rid in seen:
@@ -258,7 +297,10 @@ class Engine:
     # ------------------------------------------------------------------ housekeeping
     def flush_cache(self) -> bool:
         """Empty the radix cache; False while requests are running."""
-        return self.scheduler.flush_cache()
+        with self._lock:
+            if self.scheduler is None:
+                raise RuntimeError("the engine has been shut down")
+            return self.scheduler.flush_cache()
 
     def shutdown(self) -> None:
         """Drop the model and the scheduler; the engine cannot be used afterwards."""
@@ -279,12 +321,17 @@ def _plain_entry(logprob, token_id) -> list:
 
 
 def _per_request(value, count: int, name: str, item_type: type | None = None) -> list:
-    """One value for all requests, or a list with one per request."""
+    """One value for all requests, or a list with one per request. With ``item_type`` (the
+    value's own type is a list for no argument but sampling_params' dicts) anything else is a
+    ValueError naming ``name``."""
     if isinstance(value, list) and (item_type is None or all(
             isinstance(v, item_type) or v is None for v in value)):
         if len(value) != count:
             raise ValueError(f"{name}: got {len(value)} values for {count} prompts")
         return value
+    if item_type is not None and value is not None and not isinstance(value, item_type):
+        kind = item_type.__name__
+        raise ValueError(f"{name}: must be a {kind} or a list of one {kind} per prompt")
     return [value] * count
 
 

@@ -86,6 +86,13 @@ class Req:
                              f"for a {len(input_ids)}-token prompt")
         if not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
             raise ValueError("top_logprobs_num: must be a non-negative integer")
+        # checked here, not where the scheduler first uses them (ordering, the radix key):
+        # there a bad value would fail a step and every request in it
+        if priority is not None and type(priority) is not int:
+            raise ValueError("priority: must be an integer")
+        for name, value in (("routing_key", routing_key), ("extra_key", extra_key)):
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name}: must be a string")
         seed = getattr(sampling_params, "seed", None)
         if isinstance(seed, int) and not MIN_SEED <= seed <= MAX_SEED:
             # the sampler mixes seeds as 64 bits: a wider one would alias a narrower one

@@ -22,6 +22,8 @@ overlap scheduling the step after a batch that carries loads waits for its resul
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..worker.forward_batch import ForwardOutput
 from .batch import ScheduleBatch
 from .cache_manager import CacheManager
@@ -78,8 +80,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, req: Req) -> None:
-        """Queue ``req``. Raises ValueError naming the field for a request that can never run."""
+        """Queue ``req``. Raises ValueError naming the field for a request that can never run.
+        A max_new_tokens past the context is cut to it: it ends there anyway, and its KV
+        reservation (scheduling) must not count tokens that can never come."""
         self.validate_request(req)
+        room = self.max_context_len - req.prompt_len
+        if req.sampling_params.max_new_tokens > room:
+            req.sampling_params = replace(req.sampling_params, max_new_tokens=room)
         self.live[req.rid] = req
         if req.sampling_params.constraint is not None:
             self.grammars.add(req)  # joins the waiting queue once its grammar has compiled

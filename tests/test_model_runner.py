@@ -203,6 +203,6 @@ def test_a_chunk_scores_the_prompt_token_after_it(tiny_llama_path):
 
 
 def test_context_longer_than_the_model_positions_is_refused(tiny_llama_path):
-    with pytest.raises(ValueError, match="max_context_len: .* max_position_embeddings"):
+    with pytest.raises(ValueError, match="context_length: .* max_position_embeddings"):
         ModelRunner(RunnerConfig(tiny_llama_path, max_total_tokens=64,
                                  max_context_len=10 ** 6))

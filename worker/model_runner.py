@@ -77,7 +77,7 @@ class ModelRunner:
         self.model = self._build_model(mc, dtype)
         self.max_context_len = cfg.max_context_len or mc.context_len
         if self.max_context_len > mc.context_len:  # the RoPE tables end there
-            raise ValueError(f"max_context_len: {self.max_context_len} exceeds the model's "
+            raise ValueError(f"context_length: {self.max_context_len} exceeds the model's "
                              f"max_position_embeddings ({mc.context_len})")
         self.max_running_requests = cfg.max_running_requests or 256
         kv_heads = self.tp.kv_head_range(mc.num_kv_heads)[1]
