@@ -100,6 +100,14 @@ def wait_idle(engine: InProcessEngine, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
+def wait_scheduled(engine: InProcessEngine, rid: str, timeout: float = 10.0) -> None:
+    """Wait until the scheduler holds request ``rid``."""
+    deadline = time.monotonic() + timeout
+    while engine.call_sync(lambda s: rid not in s.live):
+        assert time.monotonic() < deadline, f"{rid} never reached the scheduler"
+        time.sleep(0.01)
+
+
 def sse_events(lines) -> list:
     """Parse an SSE body (an iterable of lines): the JSON payloads, then "[DONE]" if sent."""
     events = []

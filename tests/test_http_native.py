@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from http_helpers import MODEL_NAME, client_fixture, post_stream, serving_fixtures, wait_idle
+from http_helpers import (MODEL_NAME, client_fixture, post_stream, serving_fixtures, wait_idle,
+                          wait_scheduled)
 from radixray.router.config import CACHE_EPOCH_HEADER
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12}
@@ -259,12 +260,7 @@ def test_abort_request_ends_a_running_generation(client, server, engine):
 
     t = threading.Thread(target=long_request)
     t.start()
-    import time
-
-    deadline = time.monotonic() + 10
-    while engine.call_sync(lambda s: "to-abort" not in s.live):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_scheduled(engine, "to-abort")
     assert client.post("/abort_request", json={"rid": "to-abort"}).json() == {
         "aborted": ["to-abort"]}
     t.join(30)

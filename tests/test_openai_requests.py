@@ -10,7 +10,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from http_helpers import MODEL_NAME, client_fixture, post_stream, serving_fixtures
+from http_helpers import MODEL_NAME, client_fixture, post_stream, serving_fixtures, wait_scheduled
 
 engine, server = serving_fixtures()
 client = client_fixture()
@@ -136,7 +136,6 @@ def test_an_aborted_completion_is_a_400_not_a_500(client, server, engine):
     """An /abort_request'ed /v1 request answered 500: the router retried it on another replica
     (running it again) and counted it against this one's circuit breaker."""
     import threading
-    import time
 
     result = {}
 
@@ -148,10 +147,7 @@ def test_an_aborted_completion_is_a_400_not_a_500(client, server, engine):
 
     thread = threading.Thread(target=long_request)
     thread.start()
-    deadline = time.monotonic() + 10
-    while engine.call_sync(lambda s: "v1-abort" not in s.live):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_scheduled(engine, "v1-abort")
     assert client.post("/abort_request", json={"rid": "v1-abort"}).json()["aborted"]
     thread.join(30)
     r = result["r"]
