@@ -92,6 +92,11 @@ class InProcessEngine:
             self._thread.join(timeout)
 
     @property
+    def stopped(self) -> bool:
+        """Its thread has ended (or never began): its counters change no more."""
+        return self._thread is None or not self._thread.is_alive()
+
+    @property
     def alive(self) -> bool:
         return (self._thread is not None and self._thread.is_alive() and not self._stopping
                 and self.failure is None)

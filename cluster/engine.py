@@ -23,6 +23,7 @@ from ..scheduler.request import Req, RequestOutput
 from ..scheduler.scheduler import Scheduler
 from ..scheduler.stop import trim_stop_text, visible_output_ids
 from ..worker.sampling_params import SamplingParams
+from .request_checks import context_overflow
 
 # Server arguments for the model runner and tokenizer (the rest are SchedulerConfig's fields).
 RUNNER_ARGS = {
@@ -129,6 +130,7 @@ class Engine:
             hicache_ratio=self.config.hicache_ratio, hicache_size=self.config.hicache_size))
         # One generate at a time: two threads stepping one scheduler corrupt it.
         self._lock = threading.Lock()
+        self._stepping = False  # a generate call has queued requests (see _run)
         self.scheduler = self._new_scheduler()
         self.server_args["disable_overlap_schedule"] = not self.scheduler.overlap  # effective
         self.server_args["enable_hierarchical_cache"] = self.runner.host_pool_tokens > 0
@@ -194,12 +196,11 @@ class Engine:
     def _check_length(self, prompt_len: int, raw: dict | None, sp: SamplingParams) -> None:
         """As the HTTP API (and SGLang): a max_new_tokens the caller set must fit the context
         after the prompt; the default is cut short at the context's end instead."""
-        context = self.scheduler.max_context_len
-        if (raw or {}).get("max_new_tokens") is not None and (
-                prompt_len + sp.max_new_tokens > context):
-            raise ValueError(f"max_new_tokens: {sp.max_new_tokens} new tokens after a "
-                             f"{prompt_len}-token prompt exceed the context length of "
-                             f"{context} tokens")
+        if (raw or {}).get("max_new_tokens") is not None:
+            overflow = context_overflow(prompt_len, sp.max_new_tokens,
+                                        self.scheduler.max_context_len, "max_new_tokens")
+            if overflow:
+                raise ValueError(overflow)
 
     def _token_ids(self, prompt, input_ids) -> tuple[bool, list[list[int]]]:
         """(one prompt?, each prompt's token ids); ValueError naming a malformed argument."""
@@ -232,19 +233,22 @@ class Engine:
             try:
                 return self._run_locked(reqs)
             except BaseException:
-                if self.scheduler is not None and self.scheduler.live:
+                if self.scheduler is not None and self._stepping:
                     old, self.scheduler = self.scheduler, self._new_scheduler()
                     if old.grammars is not None:
                         old.grammars.backend.shutdown()
                 raise
 
     def _run_locked(self, reqs: list[Req]) -> dict[str, _Collected]:
+        # Set once requests are queued: from then on a failure may leave the scheduler half way
+        self._stepping = False
         seen = set()
         for r in reqs:
             if r.rid in seen:
                 raise ValueError(f"rid: {r.rid!r} appears twice")
             seen.add(r.rid)
             self.scheduler.validate_request(r)
+        self._stepping = True
         for r in reqs:
             self.scheduler.add_request(r)
         collected = {r.rid: _Collected() for r in reqs}
@@ -296,7 +300,7 @@ class Engine:
 
     # ------------------------------------------------------------------ housekeeping
     def flush_cache(self) -> bool:
-        """Empty the radix cache; False while requests are running."""
+        """Empty the radix cache (after a generate call running in another thread)."""
         with self._lock:
             if self.scheduler is None:
                 raise RuntimeError("the engine has been shut down")

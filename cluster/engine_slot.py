@@ -31,18 +31,33 @@ class SwappableEngine:
 
     def __init__(self):
         self.current: InProcessEngine | None = None
-        self._retired: dict[str, float] = {}  # counter totals of the engines swapped out
+        self._retired: dict[str, float] = {}  # final counter totals of the engines swapped out
+        # Engines swapped out whose thread still runs (a shutdown that timed out inside a
+        # step): the requests they fail when it ends still count.
+        self._retiring: list[InProcessEngine] = []
         self._lock = threading.Lock()  # swap against stats: a total must never drop
 
     def swap(self, engine: InProcessEngine | None) -> None:
-        """Put ``engine`` in the slot (None while restarting). The engine taken out must have
-        stopped: its final counter totals are kept and added to every later snapshot."""
+        """Put ``engine`` in the slot (None while restarting). The engine taken out goes on
+        counting until its thread ends; then its final totals are kept for good."""
         with self._lock:
             old, self.current = self.current, engine
             if old is not None:
-                final = old.stats()
-                for key in COUNTERS:
-                    self._retired[key] = self._retired.get(key, 0) + final.get(key, 0)
+                self._retiring.append(old)
+
+    def _retired_totals(self) -> dict[str, float]:
+        """The swapped-out engines' counters: folded for good once an engine has stopped."""
+        for old in [e for e in self._retiring if e.stopped]:
+            self._retiring.remove(old)
+            final = old.stats()
+            for key in COUNTERS:
+                self._retired[key] = self._retired.get(key, 0) + final.get(key, 0)
+        totals = dict(self._retired)
+        for old in self._retiring:
+            snapshot = old.stats()
+            for key in COUNTERS:
+                totals[key] = totals.get(key, 0) + snapshot.get(key, 0)
+        return totals
 
     def _engine(self) -> InProcessEngine:
         if not self.ready:
@@ -82,7 +97,7 @@ class SwappableEngine:
             stats = engine.stats() if engine is not None else {}
             if not self.ready:
                 stats.update(RESTARTING_GAUGES)
-            for key, total in self._retired.items():
+            for key, total in self._retired_totals().items():
                 stats[key] = stats.get(key, 0) + total
         return stats
 

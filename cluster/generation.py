@@ -17,7 +17,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from ..router.config import RESTARTING_HEADER
+from ..router.config import ERROR_TYPES, RESTARTING_HEADER
 from ..router.disconnect import until_disconnect as await_unless_disconnected
 from .detokenizer import IncrementalDetokenizer
 from .engine_protocol import EngineClient, GenerateRequest, TokenOutput
@@ -35,7 +35,12 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.code = code if code is not None else status
-        self.err_type = err_type or ("BadRequestError" if status == 400 else "Error")
+        self.err_type = err_type or error_type(status)
+
+
+def error_type(status: int) -> str:
+    """An error's "type" by its status, as the replicas, the router and SGLang name them."""
+    return ERROR_TYPES.get(status, "InternalServerError" if status >= 500 else "Error")
 
 
 class EngineRestarting(RuntimeError):
@@ -176,6 +181,8 @@ class ServingContext:
         self.tool_call_parser = tool_call_parser  # tool_calls.PARSERS key; None: no parsing
         self.waiting: set[str] = set()  # engine rids admitted that have no output yet
         self.live: dict[str, set[str]] = {}  # client rid -> engine rids
+        # A batch prompt's rid -> its copies' engine rids (n > 1): abortable by that rid too
+        self.prompts: dict[str, set[str]] = {}
         # Engine rids of live sessions aborted before the engine had them (n > 1 copies wait
         # for their prompt's warm-up): run_request finishes them without submitting.
         self.aborted: set[str] = set()
@@ -188,7 +195,7 @@ class ServingContext:
         if abort_all:
             rids = set().union(*self.live.values()) if self.live else set()
         else:
-            rids = self.live.get(client_rid, {client_rid})
+            rids = self.live.get(client_rid) or self.prompts.get(client_rid) or {client_rid}
         registered = set().union(*self.live.values()) if self.live else set()
         self.aborted.update(rids & registered)
         warm = {self.warmups[r] for r in rids if r in self.warmups}
@@ -196,18 +203,22 @@ class ServingContext:
             await self.engine.abort(rid)
         return sorted(rids & registered)
 
-    def open_session(self, client_rid: str, reqs: list[GenerateRequest]) -> "Session":
+    def open_session(self, client_rid: str, reqs: list[GenerateRequest],
+                     prompts: dict[str, set[str]] | None = None) -> "Session":
         """Admit ``reqs`` (429 when the waiting requests would exceed max_queued_requests; 400
-        when a rid is already live) and register them under ``client_rid``."""
+        when a rid is already live or given twice) and register them under ``client_rid``;
+        ``prompts``: a batch prompt's rid -> the engine rids of its n > 1 copies."""
         rids = [r.rid for r in reqs]
         live = set().union(*self.live.values()) if self.live else set()
         taken = [r for r in rids if r in live] or ([client_rid] if client_rid in self.live else [])
         if taken:
             raise bad_request(f"rid: {taken[0]!r} is already in use by a running request",
                               param="rid")
-        twice = next((r for i, r in enumerate(rids) if r in rids[:i]), None)
-        if twice is not None:
-            raise bad_request(f"rid: {twice!r} appears twice in the request", param="rid")
+        seen: set[str] = set()  # a set: a batch of 10,000 rids must not stall the loop
+        for rid in rids:
+            if rid in seen:
+                raise bad_request(f"rid: {rid!r} appears twice in the request", param="rid")
+            seen.add(rid)
         if (self.max_queued_requests is not None
                 and len(self.waiting) + len(rids) > self.max_queued_requests):
             raise APIError(429, f"Too many queued requests ({len(self.waiting)} waiting, "
@@ -215,14 +226,17 @@ class ServingContext:
                            err_type="TooManyRequests")
         self.waiting.update(rids)
         self.live[client_rid] = set(rids)
-        return Session(self, client_rid, rids)
+        self.prompts.update(prompts or {})
+        return Session(self, client_rid, rids, list(prompts or ()))
 
 
 class Session:
     """One HTTP request's admitted engine requests; ``close`` (idempotent) releases them."""
 
-    def __init__(self, ctx: ServingContext, client_rid: str, rids: list[str]):
+    def __init__(self, ctx: ServingContext, client_rid: str, rids: list[str],
+                 prompt_rids: list[str] = ()):
         self.ctx, self.client_rid, self.rids = ctx, client_rid, rids
+        self.prompt_rids = prompt_rids
         self.closed = False
 
     def close(self) -> None:
@@ -231,6 +245,8 @@ class Session:
             self.ctx.waiting.difference_update(self.rids)
             self.ctx.aborted.difference_update(self.rids)
             self.ctx.live.pop(self.client_rid, None)
+            for rid in self.prompt_rids:
+                self.ctx.prompts.pop(rid, None)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from .. import __version__
-from ..router.config import CACHE_EPOCH_HEADER, ERROR_TYPES
+from ..router.config import CACHE_EPOCH_HEADER
 from . import native_api, openai_api, tokenize_api
 from .engine_protocol import EngineClient
 from .generation import (APIError, ServingContext, bad_request, new_rid,
@@ -177,7 +177,7 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
 
     @app.exception_handler(HTTPException)  # no such route (404) or method (405)
     async def _http_error(request: Request, exc: HTTPException):
-        err = APIError(exc.status_code, exc.detail, err_type=ERROR_TYPES.get(exc.status_code))
+        err = APIError(exc.status_code, exc.detail)
         return JSONResponse(error_body(request.url.path, err), status_code=exc.status_code,
                             headers=exc.headers)
 
@@ -289,7 +289,9 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
         # must not abort the others (a string rid names the whole batch, as in SGLang).
         key = body.rid if isinstance(body.rid, str) else (
             new_rid("batch-") if batch else firsts[0].rid)
-        session = ctx.open_session(key, flat)
+        prompts = {first.rid: {c.rid for c in group} for first, group in zip(firsts, copies)
+                   if batch and len(group) > 1}
+        session = ctx.open_session(key, flat, prompts)
         with_text = bool(body.return_text_in_logprobs)
         multi = batch or len(flat) > 1
         if body.stream:
@@ -306,8 +308,7 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
                       None)
         if failed is not None:  # the client's input (400) or the engine under it (5xx) ended
             status = failed.finish_reason["status_code"]  # it; a plain abort carries none
-            raise APIError(status, f"request aborted: {failed.finish_reason.get('message')}",
-                           err_type=ERROR_TYPES.get(status, "InternalServerError"))
+            raise APIError(status, f"request aborted: {failed.finish_reason.get('message')}")
         results = [native_api.native_result(s, tokenizer, with_text) for s in states]
         return results if multi else results[0]
 

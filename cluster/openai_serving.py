@@ -15,7 +15,8 @@ from starlette.background import BackgroundTask
 from . import openai_api as oa
 from . import openai_responses as res
 from .generation import (SSE_DONE, APIError, RequestState, ServingContext, Session,
-                         as_api_error, prepare_off_loop_if_large, sse, until_disconnect)
+                         as_api_error, error_type, prepare_off_loop_if_large, sse,
+                         until_disconnect)
 from .parallel_sampling import collect_states, run_all
 from .tool_calls import ToolPlan, ToolStream
 
@@ -28,8 +29,7 @@ def _abort_error(state: RequestState) -> APIError:
     reason = state.finish_reason or {}
     status = reason.get("status_code", 400)
     return APIError(status, f"request aborted: {reason.get('message') or 'no reason given'}",
-                    err_type={400: "BadRequestError", 503: "ServiceUnavailableError"}.get(
-                        status, "InternalServerError"))
+                    err_type=error_type(status))
 
 
 def _error_event(err: APIError) -> str:

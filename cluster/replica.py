@@ -290,7 +290,7 @@ def reserve_replica_ranks(replica_id: str, server_args: dict, tp_size: int = 1,
     # Not under the head's own prefix (this name + "/"): a restarted head removes what is
     # left under that prefix, and this group must outlive head restarts.
     pg = reserve_rank_bundles(tp_size, device, name=pg_name(namespace, replica_id))
-    started = time.monotonic()
+    started, ready_ref = time.monotonic(), pg.ready()  # one ref: each call queues a task
     try:
         while True:
             left = None if timeout_s == 0 else timeout_s - (time.monotonic() - started)
@@ -298,7 +298,7 @@ def reserve_replica_ranks(replica_id: str, server_args: dict, tp_size: int = 1,
                 raise RuntimeError(f"replica {replica_id}: no node had room for {tp_size} "
                                    f"rank(s) on {device} within {timeout_s:.0f}s (raise "
                                    "--placement-timeout, or 0 to wait for ever)")
-            ready, _ = ray.wait([pg.ready()], timeout=min(PLACEMENT_PROGRESS_S, left or 1e9))
+            ready, _ = ray.wait([ready_ref], timeout=min(PLACEMENT_PROGRESS_S, left or 1e9))
             if ready:
                 break
             log.warning("replica %s: waiting for a node with room for %d rank(s) on %s "

@@ -33,7 +33,7 @@ def check_sampling_params(sp: SamplingParams, vocab_size: int | None,
         for name in ("stop", "stop_regex", "regex", "json_schema", "ebnf"):
             value = getattr(sp, name)
             for text in [value] if isinstance(value, str) else value or ():
-                if isinstance(text, str) and not _is_utf8(text):
+                if isinstance(text, str) and _surrogate_at(text) is not None:
                     raise ValueError(f"{name}: not valid Unicode text (a lone surrogate)")
         if isinstance(sp.json_schema, str):
             try:
@@ -58,28 +58,37 @@ def check_lengths(prompt_len: int, max_new_tokens: int, context_len: int, prompt
     if prompt_len >= context_len:
         raise bad_request(f"{prompt_field}: the prompt has {prompt_len} tokens; the model's "
                           f"context length is {context_len}", param=prompt_field)
-    if prompt_len + max_new_tokens > context_len:
-        raise bad_request(f"{max_field}: {max_new_tokens} new tokens after a {prompt_len}-token "
-                          f"prompt exceed the context length of {context_len} tokens",
-                          param=max_field)
+    overflow = context_overflow(prompt_len, max_new_tokens, context_len, max_field)
+    if overflow:
+        raise bad_request(overflow, param=max_field)
 
 
-def _is_utf8(text: str) -> bool:
+def context_overflow(prompt_len: int, max_new_tokens: int, context_len: int,
+                     max_field: str) -> str | None:
+    """Why prompt + ``max_new_tokens`` do not fit the context (a message naming
+    ``max_field``), or None; the offline Engine raises it as a ValueError."""
+    if prompt_len + max_new_tokens <= context_len:
+        return None
+    return (f"{max_field}: {max_new_tokens} new tokens after a {prompt_len}-token prompt "
+            f"exceed the context length of {context_len} tokens")
+
+
+def _surrogate_at(text: str) -> int | None:
+    """Where ``text`` stops being encodable as UTF-8 (a lone surrogate), or None."""
     try:
         text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
 
 
 def check_text(text: str, field_name: str) -> None:
     """400 when ``text`` cannot be encoded as UTF-8: JSON may escape a lone UTF-16 surrogate
     ("\\ud800") that json.loads keeps, and the tokenizer then fails with a TypeError."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
+    at = _surrogate_at(text)
+    if at is not None:
         raise bad_request(f"{field_name}: not valid Unicode text (a lone surrogate at character "
-                          f"{e.start})", param=field_name) from None
+                          f"{at})", param=field_name)
 
 
 def check_token_ids(ids: list[int], vocab_size: int, field_name: str) -> None:

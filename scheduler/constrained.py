@@ -158,7 +158,7 @@ class ConstrainedDecoding:
         if not state.accept(token):  # only if the mask was not applied: a worker bug
             req.finish_reason = FinishReason.abort(
                 f"{req.sampling_params.constraint[0]}: sampled token {token} is not allowed "
-                "by the grammar")
+                "by the grammar", status_code=500)
         elif state.is_terminated() and not req.finished:
             req.finish_reason = FinishReason.stop(token)
         if not req.finished:

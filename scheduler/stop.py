@@ -16,6 +16,7 @@ first token, and so does this check.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Callable, Iterable
 
 import regex
@@ -26,6 +27,8 @@ except ImportError:  # Python 3.10
     import sre_parse
 
 from .request import FinishReason, Req
+
+log = logging.getLogger(__name__)
 
 Decode = Callable[[list[int]], str]
 _UNBOUNDED = 1 << 16  # a match width from here on counts as unbounded
@@ -92,6 +95,7 @@ class StopChecker:
         try:
             return self._check(req)
         except Exception as e:  # noqa: BLE001 (any failure here is this request's own)
+            log.exception("request %s: checking its stop conditions failed", req.rid)
             return FinishReason.abort(f"stop: cannot check this request's stop conditions "
                                       f"({type(e).__name__}: {e})", status_code=400)
 

@@ -19,7 +19,7 @@ from radixray.worker.sampling_params import SamplingParams
 
 class StubEngine:
     def __init__(self, stats: dict):
-        self.snapshot, self.alive = stats, True
+        self.snapshot, self.alive, self.stopped = stats, True, False
 
     def stats(self) -> dict:
         return dict(self.snapshot)
@@ -39,16 +39,20 @@ def test_counters_go_on_across_engines_and_gauges_idle_while_restarting():
     slot.swap(first)
     assert scrape(metrics, slot)["num_requests_total"] == 100
     first.snapshot.update(num_requests_total=103)  # 3 more finished, then the ranks died
-    first.alive = False
+    first.alive = False  # its thread still runs: a shutdown that timed out inside a step
     seen = scrape(metrics, slot)
     assert seen["num_running_reqs"] == 0 and seen["gen_throughput"] == 0  # not 4, not 134
     assert seen["num_requests_total"] == 103
     slot.swap(None)
     assert scrape(metrics, slot)["num_requests_total"] == 103
+    first.snapshot.update(num_requests_total=107)  # it failed 4 more as its thread ended
+    first.stopped = True
+    assert scrape(metrics, slot)["num_requests_total"] == 107
+    first.snapshot.update(num_requests_total=0)  # folded for good: its later words no matter
     second = StubEngine({"num_requests_total": 150, "num_running_reqs": 2})
     slot.swap(second)  # 150 requests before the next scrape: more than the old engine's 103
     seen = scrape(metrics, slot)
-    assert seen["num_requests_total"] == 253 and seen["num_running_reqs"] == 2
+    assert seen["num_requests_total"] == 257 and seen["num_running_reqs"] == 2
 
 
 def test_requests_an_engine_fails_when_it_stops_are_counted(tiny_llama_path):
