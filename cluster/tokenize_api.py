@@ -13,6 +13,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 from .generation import ServingContext, bad_request
+from .request_checks import check_text
 
 
 class TokenizeRequest(BaseModel):
@@ -32,6 +33,8 @@ class DetokenizeRequest(BaseModel):
 def tokenize(body: TokenizeRequest, ctx: ServingContext) -> dict:
     tokenizer = ctx.tokenizer
     prompts = body.prompt if isinstance(body.prompt, list) else [body.prompt]
+    for i, p in enumerate(prompts):  # a lone surrogate: the tokenizer's TypeError was a 500
+        check_text(p, f"prompt[{i}]" if isinstance(body.prompt, list) else "prompt")
     ids = [tokenizer.encode(p, add_special_tokens=body.add_special_tokens) for p in prompts]
     if isinstance(body.prompt, list):
         return {"tokens": ids, "count": [len(i) for i in ids], "max_model_len": ctx.context_len}

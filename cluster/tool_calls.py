@@ -48,7 +48,7 @@ def _call(obj, names: set[str], args_key: str) -> ToolCall | None:
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested too deep
             return None
     return ToolCall(obj["name"], args) if isinstance(args, dict) else None
 
@@ -111,7 +111,7 @@ class HermesParser(ToolCallParser):
         for block in self._BLOCK.finditer(text):
             try:
                 call = _call(json.loads(block.group(1)), names, "arguments")
-            except ValueError:
+            except (ValueError, RecursionError):  # not JSON, or nested too deep
                 call = None
             if call is not None:
                 calls.append(call)
@@ -143,7 +143,7 @@ class Llama3JsonParser(ToolCallParser):
         while pos < len(body):
             try:
                 obj, pos = decoder.raw_decode(body, pos)
-            except ValueError:
+            except (ValueError, RecursionError):  # not JSON, or nested too deep
                 return text, []
             call = _call(obj, names, "parameters")
             if call is None:
@@ -234,7 +234,7 @@ def _parsed_arguments(call: dict) -> dict:
         try:
             return {**call, "function": {**function,
                                          "arguments": json.loads(function["arguments"])}}
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested too deep
             pass  # left as the client wrote it
     return call
 

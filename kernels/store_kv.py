@@ -17,7 +17,7 @@ def _store_kv_kernel(K, V, KBuf, VBuf, Loc,
                      stride_bn, stride_bh,
                      KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # t x stride passes 2**31 in a long extend
     slot = tl.load(Loc + t)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)

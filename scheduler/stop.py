@@ -30,7 +30,13 @@ from .request import FinishReason, Req
 
 log = logging.getLogger(__name__)
 
-Decode = Callable[[list[int]], str]
+# decode(ids, skip_special_tokens=..., spaces_between_special_tokens=...), as the tokenizer's:
+# the stop check reads the text the client gets (a hidden special token is not in it)
+Decode = Callable[..., str]
+# Tokens decoded before a stop regex's window, searched from the window on: a lookbehind or \b
+# then sees the real text before it, and ^ does not match at the window's first token.
+STOP_REGEX_CONTEXT_TOKENS = 8
+REPLACEMENT_CHAR = "\ufffd"  # what a token ending inside a UTF-8 character decodes to
 _UNBOUNDED = 1 << 16  # a match width from here on counts as unbounded
 
 
@@ -108,20 +114,40 @@ class StopChecker:
         if (sp.stop or sp.stop_regex) and self.decode is None:
             raise ValueError("stop: stop strings need a tokenizer to decode with")
         if sp.stop:
-            tail = self.decode(out[-(max(len(s.encode()) for s in sp.stop) + 1):])
+            tail = self._decode(out[-(max(len(s.encode()) for s in sp.stop) + 1):], sp)
             for s in sp.stop:
                 if s in tail:
                     return FinishReason.stop(s)
         if sp.stop_regex:
-            widths = [stop_regex_width(p) for p in sp.stop_regex]
-            tail = self.decode(out if None in widths else out[-(4 * max(widths) + 1):])
-            for p in sp.stop_regex:
-                if compile_stop_regex(p).search(tail):
-                    return FinishReason.stop(p)
+            matched = self._stop_regex_match(out, sp)
+            if matched is not None:
+                return FinishReason.stop(matched)
         if len(out) >= sp.max_new_tokens:
             return FinishReason.of_length(len(out))
         if self.max_context_len is not None and req.total_len >= self.max_context_len:
             return FinishReason.of_length(len(out))
+        return None
+
+
+    def _decode(self, ids: list[int], sp) -> str:
+        return self.decode(ids, skip_special_tokens=sp.skip_special_tokens,
+                           spaces_between_special_tokens=sp.spaces_between_special_tokens)
+
+    def _stop_regex_match(self, out: list[int], sp) -> str | None:
+        """The first stop regex that matches the output's newest text, or None. Searched from
+        a window of tokens wide enough for the longest match (4 bytes a character; all of the
+        output for an unbounded pattern), with a few tokens of context before it."""
+        widths = [stop_regex_width(p) for p in sp.stop_regex]
+        window = len(out) if None in widths else 4 * max(widths) + 1
+        start = max(len(out) - window - STOP_REGEX_CONTEXT_TOKENS, 0)
+        text = self._decode(out[start:], sp)
+        # the newest token ends inside a character: wait for the rest (as the HTTP
+        # detokenizer does), or a \W would match its replacement character
+        text = text.rstrip(REPLACEMENT_CHAR)
+        pos = len(self._decode(out[start:len(out) - window], sp)) if len(out) > window else 0
+        for p in sp.stop_regex:
+            if compile_stop_regex(p).search(text, pos):
+                return p
         return None
 
 

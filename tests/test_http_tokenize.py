@@ -71,6 +71,19 @@ def test_bad_input_is_a_400_naming_the_field(client, path, body, field):
     assert message.startswith(field), message
 
 
+@pytest.mark.parametrize("path, prompt, field", [
+    ("/tokenize", "a\ud800b", "prompt"), ("/v1/tokenize", ["ok", "\udfff"], "prompt[1]")])
+def test_a_lone_surrogate_is_a_400_not_a_500(client, path, prompt, field):
+    """It was the tokenizer's TypeError as a 500 (which the router retried on every replica)."""
+    import json
+
+    r = client.post(path, headers={"content-type": "application/json"},
+                    content=json.dumps({"prompt": prompt}))
+    assert r.status_code == 400, r.text
+    message = r.json()["message"] if path.startswith("/v1/") else r.json()["error"]["message"]
+    assert message.startswith(f"{field}: not valid Unicode text"), message
+
+
 def test_unknown_model_is_404(client):
     r = client.post("/v1/tokenize", json={"model": "gpt-4", "prompt": "x"})
     assert r.status_code == 404 and r.json()["code"] == "model_not_found"

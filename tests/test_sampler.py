@@ -365,3 +365,17 @@ def test_mask_allowing_only_tokens_past_the_vocab_is_rejected():
     mask = torch.tensor([[0, 1 << 7]], dtype=torch.int32)  # token 39, the last one
     out = Sampler()(torch.zeros(1, 40), sampling_batch([SamplingParams()], vocab_mask=mask))
     assert out.next_token_ids.tolist() == [39]
+
+
+def test_a_forbidden_token_with_an_infinite_logit_stays_forbidden():
+    """+inf - inf is NaN, and argmax and sampling both picked the NaN: the grammar was bypassed
+    on the CPU path (a float16 logit can overflow to +inf)."""
+    from radixray.worker.vocab_mask import apply_vocab_mask_
+
+    logits = torch.zeros(2, 40)
+    logits[:, 5] = float("inf")  # forbidden
+    mask = torch.zeros(2, 2, dtype=torch.int32)
+    mask[:, 0] = 1 << 3  # only token 3 allowed
+    apply_vocab_mask_(logits, mask)
+    assert logits.argmax(-1).tolist() == [3, 3]
+    assert torch.isneginf(logits[:, 5]).all() and not logits.isnan().any()

@@ -230,7 +230,7 @@ def test_stop_checker_order_and_limits():
 def test_a_stop_string_that_fails_in_the_check_ends_only_its_request():
     """A lone surrogate that reached the scheduler (the offline Engine, or a check the API
     missed) raised inside the loop: the engine stopped and every request failed."""
-    checker = StopChecker(decode=lambda ids: "".join(map(chr, ids)))
+    checker = StopChecker(decode=lambda ids, **_: "".join(map(chr, ids)))
     r = req("a", [1], 10, stop=["\ud800"])
     r.output_ids.append(65)
     reason = checker.check(r)

@@ -14,7 +14,7 @@ from radixray.worker.sampling_params import SamplingParams
 PIECES = ["ab", "c", "de", "f", "gh", "i", "jk", "l", "1", "23"]
 
 
-def piece_decode(ids):
+def piece_decode(ids, **_):
     return "".join(PIECES[t] for t in ids)
 
 
@@ -82,7 +82,7 @@ def test_bad_patterns_are_rejected_naming_the_field(pattern, error):
 BYTES = [b"x", "→".encode()[:1], "→".encode()[1:2], "→".encode()[2:], b"y", b"\xc3", b"\xa9"]
 
 
-def byte_decode(ids):
+def byte_decode(ids, **_):
     """A byte-level vocabulary (as BPE's): one character may take several tokens."""
     return b"".join(BYTES[t] for t in ids).decode(errors="replace")
 
@@ -120,3 +120,61 @@ def test_min_new_tokens_holds_off_tokens_not_strings():
     assert checker.check(r) is None
     r.output_ids += [0, 0, 6]
     assert checker.check(r) == FinishReason.stop(6)
+
+
+# ---------------------------------------------------------------- the window's edges
+WORDS = [" un", "def", "ined", " x", " one", " two", "中".encode()[:2], "中".encode()[2:], ","]
+
+
+def word_decode(ids, skip_special_tokens=True, **_):
+    text = b"".join(w if isinstance(w, bytes) else w.encode() for w in map(WORDS.__getitem__,
+                                                                            ids))
+    return text.decode(errors="replace")
+
+
+def word_stop(pattern, ids):
+    checker = StopChecker(decode=word_decode)
+    req = Req("r", [0], SamplingParams(max_new_tokens=100, stop_regex=[pattern]))
+    for i, t in enumerate(ids):
+        req.output_ids.append(t)
+        if checker.check(req) is not None:
+            return i
+    return None
+
+
+@pytest.mark.parametrize("pattern, ids", [
+    # once the window (13 tokens for a 3-character pattern) began at "def", \b matched there
+    (r"\bdef", [0, 1, 2] + [3] * 20),
+    (r"(?<![a-z])def", [0, 1, 2] + [3] * 20),
+    # ^ matched at the window's first token, not only at the output's start
+    (r"^ one", [3] * 20 + [4, 5] * 10),
+    # a character split over two tokens decoded to U+FFFD, which \W matched at once
+    (r"\W", [6, 7, 6, 7]),
+])
+def test_the_window_start_and_a_split_character_are_no_matches(pattern, ids):
+    """The text the client gets has no match: the HTTP detokenizer, which searches all of it,
+    did not stop, while the scheduler did (and the text kept no match)."""
+    text = word_decode(ids)
+    assert find_stop(text, 0, (), [pattern]) is None
+    assert word_stop(pattern, ids) is None
+
+
+def test_a_match_after_a_split_character_still_stops():
+    assert word_stop(r"\W", [6, 7, 6, 7, 8, 6, 7]) == 4  # 中中, then the comma
+
+
+@pytest.mark.parametrize("skip, stops", [(True, True), (False, False)])
+def test_stop_strings_read_the_text_the_client_gets(skip, stops):
+    """A hidden special token between "d" and "c": the client's text has "dc" and the HTTP
+    detokenizer stopped there, while the scheduler decoded with special tokens kept and ran on
+    (the offline Engine's answer then differed from HTTP's)."""
+    vocab = {0: "d", 1: "<|pad|>", 2: "c"}
+
+    def decode(ids, skip_special_tokens=False, **_):
+        return "".join(vocab[t] for t in ids if not (skip_special_tokens and t == 1))
+
+    checker = StopChecker(decode=decode)
+    req = Req("r", [0], SamplingParams(max_new_tokens=100, stop=["dc"],
+                                       skip_special_tokens=skip))
+    req.output_ids += [0, 1, 2]
+    assert (checker.check(req) == FinishReason.stop("dc")) is stops

@@ -231,3 +231,16 @@ def test_the_openai_client_reads_the_calls(server, engine):
     assert [c.function.arguments for calls in streamed for c in calls] == \
         [call.function.arguments]
     wait_idle(engine)
+
+
+def test_json_nested_too_deep_is_no_call_and_no_crash():
+    """json.loads raises RecursionError, not ValueError, past ~1,000 levels: a chat history
+    with such arguments was a 500, and a reply with such a block would have been too."""
+    from radixray.cluster.tool_calls import PARSERS, _parsed_arguments
+
+    deep = "[" * 5000 + "]" * 5000
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}
+    assert _parsed_arguments(call) == call  # left as the client wrote it
+    content, calls = PARSERS["hermes"]().parse(
+        f'<tool_call>{{"name": "f", "arguments": {deep}}}</tool_call>', {"f"})
+    assert calls == []
