@@ -221,7 +221,7 @@ class InProcessEngine:
         except Exception as e:  # keep nobody waiting; the engine is unusable after this
             self.failure = e
             log.exception("engine loop failed; every live request is aborted")
-            self._fail_all(f"engine error: {type(e).__name__}: {e}")
+            self._fail_all(f"engine error: {client_reason(e)}")
         finally:
             self._fail_all("engine shut down")
 
@@ -297,6 +297,14 @@ class InProcessEngine:
             self._tp = (now, generated)
         stats["gen_throughput"] = self._throughput
         return stats
+
+
+def client_reason(e: BaseException, limit: int = 200) -> str:
+    """An engine failure in a few words for the clients it fails (the log has all of it):
+    Ray's errors run to a dozen lines of actor ids and advice about the OOM killer."""
+    lines = str(e).strip().splitlines()
+    text = f"{type(e).__name__}: {lines[0] if lines else ''}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _deliver(items: list[tuple[asyncio.Queue, TokenOutput]]) -> None:

@@ -36,6 +36,7 @@ class SwappableEngine:
         # step): the requests they fail when it ends still count.
         self._retiring: list[InProcessEngine] = []
         self._lock = threading.Lock()  # swap against stats: a total must never drop
+        self._last_info: dict = {}  # what the last engine said of itself (kept while restarting)
 
     def swap(self, engine: InProcessEngine | None) -> None:
         """Put ``engine`` in the slot (None while restarting). The engine taken out goes on
@@ -44,6 +45,8 @@ class SwappableEngine:
             old, self.current = self.current, engine
             if old is not None:
                 self._retiring.append(old)
+            if engine is not None:
+                self._last_info = engine.server_info()
 
     def _retired_totals(self) -> dict[str, float]:
         """The swapped-out engines' counters: folded for good once an engine has stopped."""
@@ -87,7 +90,9 @@ class SwappableEngine:
         return engine is not None and await engine.health_check(timeout)
 
     def server_info(self) -> dict:
-        return self.current.server_info() if self.current is not None else {}
+        """The engine's arguments and figures; while restarting, the last engine's (a monitor
+        reading ``restarts`` or the pool size gets them then too)."""
+        return self.current.server_info() if self.current is not None else dict(self._last_info)
 
     def stats(self) -> dict:
         """The current engine's snapshot with the counters summed over every engine this

@@ -309,6 +309,9 @@ def chat_requests(body: ChatCompletionRequest, ctx: ServingContext
         if sp.regex is not None or sp.json_schema is not None or sp.ebnf is not None:
             raise bad_request("tool_choice: a forced call cannot be combined with regex, "
                               "json_schema, ebnf or response_format", param="tool_choice")
+        if sp.stop or sp.stop_regex:  # a stop inside the call's JSON would cut it to text
+            raise bad_request("tool_choice: a forced call cannot be combined with stop or "
+                              "stop_regex", param="tool_choice")
         sp = replace(sp, ebnf=plan.forced_ebnf)
     check_sampling_params(sp, ctx.vocab_size, names)
     check_lengths(len(ids), max_tokens, ctx.context_len, "messages", names["max_new_tokens"])

@@ -24,6 +24,9 @@ class StubEngine:
     def stats(self) -> dict:
         return dict(self.snapshot)
 
+    def server_info(self) -> dict:
+        return {}
+
 
 def scrape(metrics: EngineMetrics, slot: SwappableEngine) -> dict:
     metrics.update_scheduler_stats(slot.stats())
@@ -71,3 +74,24 @@ def test_requests_an_engine_fails_when_it_stops_are_counted(tiny_llama_path):
     after = engine.stats()
     for key in ("num_requests_total", "num_aborted_requests_total"):
         assert after[key] == before.get(key, 0) + 1, key
+
+
+def test_server_info_while_restarting_is_the_last_engines():
+    """It was {} for the seconds of a restart: a monitor reading `restarts` got nothing."""
+    slot = SwappableEngine()
+    engine = StubEngine({})
+    engine.server_info = lambda: {"restarts": 2, "max_total_num_tokens": 2048}
+    slot.swap(engine)
+    engine.alive = False
+    slot.swap(None)
+    assert slot.server_info() == {"restarts": 2, "max_total_num_tokens": 2048}
+
+
+def test_a_client_hears_an_engine_failure_in_a_few_words():
+    from radixray.cluster.async_engine import client_reason
+
+    ray_like = RuntimeError("The actor died unexpectedly before finishing this task.\n"
+                            "\tclass_name: TPWorker\n\tactor_id: abc\n" + "advice " * 200)
+    assert client_reason(ray_like) == ("RuntimeError: The actor died unexpectedly before "
+                                       "finishing this task.")
+    assert len(client_reason(ValueError("x" * 1000))) == 200

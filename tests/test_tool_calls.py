@@ -208,6 +208,12 @@ def test_tools_reach_the_template_and_a_conversation_with_calls_renders(server, 
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "required", "regex": "a+"},
      "tool_choice: a forced call cannot be combined"),
+    # a stop inside the call's JSON cut it, and the call came back as raw text
+    ({"tools": [WEATHER], "tool_choice": "required", "stop": "}"},
+     "tool_choice: a forced call cannot be combined with stop"),
+    ({"tools": [WEATHER], "stop": ["x", "y"],
+      "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+     "tool_choice: a forced call cannot be combined with stop"),
     ({"tools": [{"type": "retrieval"}]}, "tools"),
 ])
 def test_bad_tool_requests_are_400s(server, engine, body, error):
