@@ -30,6 +30,7 @@ from .admission import Admission, Rejected
 from .bodies import Offloader, PayloadTooLarge, read_body
 from .config import CACHE_EPOCH_HEADER, RouterConfig
 from .health import HealthChecker
+from .helper import HelperDied
 from .metrics import EXPOSITION_CONTENT_TYPE, RouterMetrics
 from .policies import make_policy
 from .proxy import Proxy, downstream_headers, error_response, upstream_headers
@@ -88,6 +89,7 @@ class Router:
         self.admission = Admission(c.max_concurrent_requests, c.queue_size, c.queue_timeout)
         self.proxy = Proxy(c, self.registry, self.tree, self.policy, self.metrics, self.client,
                            self.rng, self.offload)
+        self.offload.start()  # in the background: the first large body finds its helper up
         health = HealthChecker(self.registry, self.client, c)
         self._tasks = [asyncio.create_task(health.check_all()),  # learn the truth right away
                        asyncio.create_task(health.run()),
@@ -103,7 +105,7 @@ class Router:
                 await task
         if self.client is not None:
             await self.client.aclose()
-        await asyncio.to_thread(self.offload.close, True)
+        await self.offload.aclose()
 
     def sweep(self) -> None:
         """Drop tree entries of workers that are gone or unhealthy; re-assert the bound."""
@@ -148,6 +150,8 @@ class Router:
             return self._reject(route, 413, exc.detail, finish)
         except BadRequest as exc:
             return self._reject(route, 400, str(exc), finish)
+        except HelperDied as exc:  # most likely out of memory: not parsed again in the router
+            return self._reject(route, 503, str(exc), finish)
         except ClientDisconnect:  # left while sending the body
             finish(499)
             return Response(status_code=499)
@@ -303,7 +307,13 @@ def build_app(config: RouterConfig, router: Router | None = None) -> Starlette:
         # 404 / 405 / 413 in the replica's error shape (OpenAI's on /v1/...)
         return error_response(request.url.path, exc.status_code, exc.detail, exc.headers)
 
+    async def client_left(request: Request, exc: ClientDisconnect) -> Response:
+        # It left while sending its body (read_body, on any route): its own doing, no error
+        # to log with a traceback, and nobody to read the answer (499, as /generate, which
+        # also counts it, answers).
+        return Response(status_code=499)
+
     app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={HTTPException: http_error})
+                    exception_handlers={HTTPException: http_error, ClientDisconnect: client_left})
     app.state.router = router
     return app

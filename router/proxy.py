@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 from dataclasses import dataclass
 
@@ -27,12 +28,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from .bodies import Offloader
 from .circuit import OPEN
 from .config import CACHE_EPOCH_HEADER, ERROR_TYPES, RouterConfig
+from .helper import HelperDied
 from .metrics import RouterMetrics
 from .policies import Policy, RequestInfo, least_loaded
 from .request import SSETail, answer_counts, stream_end
 from .retry import BREAKER_STATUS, RETRYABLE_STATUS, backoff_delay, is_restarting
 from .tree import ApproxRadixTree
 from .workers import Worker, WorkerRegistry
+
+log = logging.getLogger("radixray.router")
 
 # Not forwarded in either direction: connection-level headers, and headers the HTTP stacks on
 # each side recompute. Upstream compression is refused so bytes pass through as they are.
@@ -257,12 +261,15 @@ class Proxy:
         worker.breaker.record_success()
         if resp.status_code == 200:
             worker.served += 1
-            counts = await self.offload.run(len(resp.content), answer_counts, resp.content,
-                                            info.copies)
-            if counts is not None:
-                self.metrics.record_real(*counts)
+            # Only the metrics need the counts: the client does not wait for them.
+            self.offload.book(len(resp.content), answer_counts, (resp.content, info.copies),
+                              self._record_real)
         on_done(resp.status_code)
         return answer, emptied
+
+    def _record_real(self, counts: tuple[int, int] | None) -> None:
+        if counts is not None:
+            self.metrics.record_real(*counts)
 
     async def _send_stream(self, worker: Worker, route, raw, fwd, info, on_done):
         """As ``_send_once``; a stream whose first byte came is committed to this worker."""
@@ -305,6 +312,8 @@ class Proxy:
         """Pass the rest of an upstream stream through; the cleanup settles the accounts."""
         tail = SSETail()
         state = {"outcome": "cut"}  # finished | failed | cut (the client went away)
+        # The 200 went out with the first byte; the books record how the stream ended.
+        status_of = {"finished": 200, "failed": 502, "cut": 499}
 
         async def body():
             tail.feed(first)
@@ -322,17 +331,19 @@ class Proxy:
                                               f"{type(exc).__name__}", "code": 502}}
                 yield f"data: {json.dumps(error)}\n\n".encode()
 
-        async def cleanup():
-            await _close(resp)  # before the end of a stream, this aborts the upstream request
-            worker.load -= 1
+        async def settle() -> None:
+            """Judge how the stream ended, and book it on the worker and the metrics."""
             if state["outcome"] == "finished":
-                counts, failed = await self.offload.run(tail.size, stream_end, tail.last_events,
-                                                        info.copies)
+                try:
+                    counts, failed = await self.offload.parse_answer(
+                        tail.size, stream_end, tail.last_events, info.copies)
+                except HelperDied:  # logged by the helper; the stream's end is unknown
+                    counts, failed = None, None
                 if failed:  # ended in-band with a server error: the worker failed it
                     state["outcome"] = "failed"
                     self.metrics.errors.labels(worker.url, "stream").inc()
-                elif counts is not None:
-                    self.metrics.record_real(*counts)
+                else:
+                    self._record_real(counts)
             outcome = state["outcome"]
             if outcome == "finished":
                 worker.breaker.record_success()
@@ -340,8 +351,20 @@ class Proxy:
             elif outcome == "failed":
                 worker.breaker.record_failure()
             # cut: the client left; no verdict on the worker
-            # The 200 went out with the first byte; the books record how the stream ended.
-            on_done({"finished": 200, "failed": 502, "cut": 499}[outcome])
+
+        async def cleanup():
+            # on_done frees the request's admission slot and counts it: whatever fails here,
+            # it must run (else every such failure would leak a slot for good).
+            try:
+                try:
+                    await _close(resp)  # before the end of a stream, aborts the upstream request
+                finally:
+                    worker.load -= 1
+                await settle()
+            except Exception:
+                log.exception("router: settling a stream from %s failed", worker.url)
+            finally:
+                on_done(status_of[state["outcome"]])
 
         return UpstreamStream(body(), cleanup, status_code=200,
                               headers=downstream_headers(resp.headers))

@@ -1,10 +1,12 @@
 """What the router books for each answer: a stream a worker ended in-band with a server error is
 a failure (bytes untouched), and the cache metrics count each prompt once, whether the answer
-is streamed, a batch or n copies, and only for answers that were served."""
+is streamed, a batch or n copies, and only for answers that were served; a stream whose books
+cannot be settled still frees its admission slot."""
 
 import httpx
 import pytest
 
+from radixray.router import proxy as proxy_module
 from router_helpers import metric, start_fakes, start_router, wait_until
 
 P = "radixray_router:"
@@ -93,3 +95,16 @@ def test_an_answer_refused_by_the_worker_adds_nothing_to_the_predictions(servers
     fakes[0].fail_status = None
     assert client.post("/generate", json={"text": "y" * 10}).status_code == 200
     assert metric(client, P + "request_chars_total") == 10
+
+
+def test_a_stream_whose_end_cannot_be_read_still_frees_its_slot(servers, monkeypatch):
+    def broken_stream_end(events, copies):
+        raise ValueError("a worker's odd last event")
+
+    monkeypatch.setattr(proxy_module, "stream_end", broken_stream_end)
+    fakes, urls = start_fakes(servers, 1)
+    client, router = start_router(servers, urls, max_concurrent_requests=1, queue_size=0)
+    assert client.post("/generate", json={"text": "x", "stream": True}).status_code == 200
+    assert wait_until(lambda: metric(
+        client, P + 'requests_total{route="/generate",status="200"}') == 1)
+    assert client.post("/generate", json={"text": "y"}).status_code == 200  # not a 429

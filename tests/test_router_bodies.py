@@ -1,21 +1,24 @@
 """Request bodies: --max-payload-size (413 in the route's error shape, from Content-Length before
-the body is read, or while reading one without it), and large bodies parsed in a helper process
-so that the router's event loop keeps serving everyone else meanwhile."""
+the body is read, or while reading one without it), a client leaving mid-upload (a quiet 499),
+and large bodies and answers parsed in helper processes (test_router_helper.py tests those on
+their own): a body that kills its helper is a 503, and no client waits for an answer's token
+counts."""
 
 import asyncio
 import json
-import multiprocessing
-import os
-import signal
 import socket
-import subprocess
-import sys
 import time
 from urllib.parse import urlsplit
 
-from radixray.router.bodies import LARGE_BODY_BYTES, Offloader
-from radixray.router.request import read_request
+import pytest
+
+from radixray.router import app as app_module
+from radixray.router import proxy as proxy_module
+from radixray.router.app import build_app
+from radixray.router.bodies import LARGE_BODY_BYTES
+from radixray.router.config import RouterConfig
 from router_helpers import metric, start_fakes, start_router, wait_until
+from test_router_helper import SLOW_ANSWER_S, read_request_or_die, slow_answer_counts
 
 P = "radixray_router:"
 
@@ -70,77 +73,52 @@ def test_a_large_batch_is_routed_on_its_first_prompt_and_counted(servers):
     assert r.json()["error"]["message"].startswith("body: malformed JSON (Expecting")
 
 
-def test_a_large_body_is_parsed_without_stalling_the_event_loop():
-    raw = json.dumps({"text": ["ab"] * 1_500_000, "sampling_params": {"n": 2}}).encode()
-    start = time.perf_counter()
-    json.loads(raw)
-    inline = time.perf_counter() - start  # what parsing on the loop (or a thread) stalls it
-
-    async def scenario():
-        offload = Offloader()
-        try:
-            # start the helper first (a fresh interpreter): not what is measured here
-            await offload.run(LARGE_BODY_BYTES, read_request, b'{"text": "warm"}', None, True)
-            gaps = []
-
-            async def ticker():
-                while True:
-                    before = time.perf_counter()
-                    await asyncio.sleep(0.005)
-                    gaps.append(time.perf_counter() - before)
-
-            tick = asyncio.create_task(ticker())
-            info = await offload.run(len(raw), read_request, raw, "key", True)
-            tick.cancel()
-            return info, max(gaps)
-        finally:
-            offload.close()
-
-    info, stall = asyncio.run(scenario())
-    assert (info.text, info.routing_key, info.stream) == ("ab", "key", False)
-    assert info.copies == 2
-    assert stall < inline / 3, (stall, inline)
 
 
-def die_in_the_helper(value):
-    if multiprocessing.parent_process() is not None:
-        os._exit(1)  # the helper process dies under this body (as if killed for its memory)
-    return value
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions", "/tokenize", "/abort_request",
+                                  "/workers", "/add_worker"])
+def test_a_client_leaving_mid_upload_is_a_quiet_499(path):
+    app = build_app(RouterConfig(worker_urls=[]))
+    sent = []
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
+             "query_string": b"", "headers": [(b"content-length", b"100")],
+             "client": ("127.0.0.1", 40000), "server": ("127.0.0.1", 30000)}
+    asyncio.run(app(scope, receive, send))  # a 500 re-raises its exception here, after logging
+    assert sent[0]["status"] == 499
 
 
-def test_a_dead_helper_costs_no_request_and_is_replaced():
-    async def scenario():
-        offload = Offloader()
-        try:
-            assert await offload.run(LARGE_BODY_BYTES, die_in_the_helper, "in a thread") == \
-                "in a thread"
-            return await offload.run(LARGE_BODY_BYTES, read_request, b'{"text": "t"}', None,
-                                     False)
-        finally:
-            offload.close()
-
-    assert asyncio.run(scenario()).text == "t"
-
-
-def gone(pid: int) -> bool:
-    """No such process, or a zombie (a container's init may never reap it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
+def test_a_body_whose_helper_dies_under_it_is_a_503_in_the_routes_shape(servers, monkeypatch):
+    # most likely killed for its memory: parsed again in the router, it could kill the router
+    monkeypatch.setattr(app_module, "read_request", read_request_or_die)
+    fakes, urls = start_fakes(servers, 1)
+    client, router = start_router(servers, urls)
+    big = "x" * LARGE_BODY_BYTES
+    r = client.post("/generate", json={"text": big})
+    assert r.status_code == 503 and "died" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={"prompt": big})
+    assert r.status_code == 503 and r.json()["code"] == 503
+    assert metric(client, P + 'requests_total{route="/generate",status="503"}') == 1
+    assert fakes[0].requests == 0
+    assert client.post("/generate", json={"text": "small"}).status_code == 200  # inline
 
 
-def test_the_helper_leaves_with_a_router_killed_without_its_shutdown():
-    # SIGKILL, or uvicorn re-raising SIGTERM after its shutdown: no exit hook of the pool runs
-    code = ("import asyncio, os, signal\n"
-            "from radixray.router.bodies import LARGE_BODY_BYTES, Offloader\n"
-            "async def main():\n"
-            "    print(await Offloader().run(LARGE_BODY_BYTES, os.getpid), flush=True)\n"
-            "    os.kill(os.getpid(), signal.SIGKILL)\n"
-            "asyncio.run(main())\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=30)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
-    helper = int(proc.stdout)
-    assert wait_until(lambda: gone(helper), 5)
+def test_a_large_answer_goes_out_before_its_token_counts_are_read(servers, monkeypatch):
+    monkeypatch.setattr(proxy_module, "answer_counts", slow_answer_counts)
+    fakes, urls = start_fakes(servers, 1)
+    client, router = start_router(servers, urls)
+    prompts = [f"p{i:05d}" for i in range(3000)]
+    started = time.perf_counter()
+    r = client.post("/generate", json={"text": prompts})  # a small body, a large answer
+    took = time.perf_counter() - started
+    assert r.status_code == 200 and len(r.content) > LARGE_BODY_BYTES
+    assert took < SLOW_ANSWER_S - 1, took
+    assert wait_until(lambda: metric(client, P + "real_prompt_tokens_total") ==
+                      sum(map(len, prompts)), 30 + SLOW_ANSWER_S)
