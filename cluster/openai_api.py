@@ -2,8 +2,8 @@
 translation into engine requests (the response shapes are in ``openai_responses``).
 
 SGLang's extra request fields are accepted (top_k, min_p, repetition_penalty, min_tokens,
-ignore_eos, stop_token_ids, skip_special_tokens, no_stop_trim, regex, json_schema, ebnf,
-response_format, priority, rid, extra_key / cache_salt; for chat, continue_final_message and
+ignore_eos, stop_token_ids, skip_special_tokens, no_stop_trim, stop_regex, regex, json_schema,
+ebnf, response_format, priority, rid, extra_key / cache_salt; for chat, continue_final_message and
 chat_template_kwargs, and vLLM's add_generation_prompt: see ``chat_prompt``). Unknown fields
 are ignored, as OpenAI clients send a few this server has no use for (user, store, metadata).
 """
@@ -75,6 +75,7 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
+    stop_regex: str | list[str] | None = None
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
@@ -145,7 +146,8 @@ def sampling_params(body: _SamplingFields, max_new_tokens: int,
         "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
         "min_p": body.min_p, "frequency_penalty": body.frequency_penalty,
         "presence_penalty": body.presence_penalty, "repetition_penalty": body.repetition_penalty,
-        "stop": body.stop, "stop_token_ids": body.stop_token_ids, "ignore_eos": body.ignore_eos,
+        "stop": body.stop, "stop_regex": body.stop_regex, "stop_token_ids": body.stop_token_ids,
+        "ignore_eos": body.ignore_eos,
         "skip_special_tokens": body.skip_special_tokens, "no_stop_trim": body.no_stop_trim,
         "seed": body.seed, "logit_bias": body.logit_bias, "regex": body.regex,
         "json_schema": body.json_schema, "ebnf": body.ebnf,

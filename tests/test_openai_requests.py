@@ -5,6 +5,7 @@ together, and streamed text_offset equal to the whole answer's."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -152,3 +153,22 @@ def test_an_aborted_completion_is_a_400_not_a_500(client, server, engine):
     thread.join(30)
     r = result["r"]
     assert r.status_code == 400 and "request aborted: aborted by request" in r.text, r.text
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_stop_regex_is_taken_as_sglang_takes_it(client, route):
+    """SGLang's OpenAI requests have stop_regex; it was silently ignored here."""
+    body = {"model": MODEL_NAME, "max_tokens": 12, "temperature": 0}
+    body |= ({"prompt": "def f(x):"} if route == "/v1/completions" else {"messages": [USER]})
+
+    def text(answer):
+        choice = answer["choices"][0]
+        return choice.get("text", (choice.get("message") or {}).get("content")), choice
+
+    plain, _ = text(client.post(route, json=body).json())
+    assert len(plain) >= 4
+    pattern = re.escape(plain[2:4])
+    cut, choice = text(client.post(route, json={**body, "stop_regex": [pattern]}).json())
+    assert choice["finish_reason"] == "stop" and cut == plain[:re.search(pattern, plain).start()]
+    r = client.post(route, json={**body, "stop_regex": "a("})
+    assert r.status_code == 400 and r.json()["param"] == "stop_regex", r.text
