@@ -58,6 +58,16 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param, err_type="BadRequestError")
 
 
+def abort_error(finish_reason: dict | None) -> APIError:
+    """The error for a request that ended with an abort: its own status (400: its input; 5xx:
+    the engine failed under it), else 400. An abort without one was asked for (/abort_request)
+    or is about the request itself (it outgrew the KV pool): a 500 there made the router retry
+    it on another replica and count it against this one's circuit breaker."""
+    reason = finish_reason or {}
+    return APIError(reason.get("status_code", 400),
+                    f"request aborted: {reason.get('message') or 'no reason given'}")
+
+
 def as_api_error(e: Exception) -> APIError:
     """What a stream reports in-band when it fails after its 200: its own status if it has one."""
     return e if isinstance(e, APIError) else APIError(

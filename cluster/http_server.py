@@ -26,7 +26,7 @@ from .. import __version__
 from ..router.config import CACHE_EPOCH_HEADER
 from . import native_api, openai_api, tokenize_api
 from .engine_protocol import EngineClient
-from .generation import (APIError, ServingContext, bad_request, new_rid,
+from .generation import (APIError, ServingContext, abort_error, bad_request, new_rid,
                          prepare_off_loop_if_large, until_disconnect)
 from .metrics import COUNTERS, EXPOSITION_CONTENT_TYPE, GAUGES, EngineMetrics
 from .openai_serving import chat_completions, completions
@@ -307,8 +307,7 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
         failed = next((s for s in states if (s.finish_reason or {}).get("status_code", 0) >= 400),
                       None)
         if failed is not None:  # the client's input (400) or the engine under it (5xx) ended
-            status = failed.finish_reason["status_code"]  # it; a plain abort carries none
-            raise APIError(status, f"request aborted: {failed.finish_reason.get('message')}")
+            raise abort_error(failed.finish_reason)  # it; a plain abort (no status) stays a 200
         results = [native_api.native_result(s, tokenizer, with_text) for s in states]
         return results if multi else results[0]
 

@@ -15,21 +15,10 @@ from starlette.background import BackgroundTask
 from . import openai_api as oa
 from . import openai_responses as res
 from .generation import (SSE_DONE, APIError, RequestState, ServingContext, Session,
-                         as_api_error, error_type, prepare_off_loop_if_large, sse,
+                         abort_error, as_api_error, prepare_off_loop_if_large, sse,
                          until_disconnect)
 from .parallel_sampling import collect_states, run_all
 from .tool_calls import ToolPlan, ToolStream
-
-
-def _abort_error(state: RequestState) -> APIError:
-    """The error for an aborted request: its own status (5xx: the engine failed under it), else
-    400. An abort without one was asked for (/abort_request) or is about the request itself (it
-    outgrew the KV pool): a 500 there made the router retry it on another replica and count it
-    against this one's circuit breaker."""
-    reason = state.finish_reason or {}
-    status = reason.get("status_code", 400)
-    return APIError(status, f"request aborted: {reason.get('message') or 'no reason given'}",
-                    err_type=error_type(status))
 
 
 def _error_event(err: APIError) -> str:
@@ -50,7 +39,7 @@ async def _run(request: Request, ctx: ServingContext, session: Session, firsts, 
         return states
     aborted = next((s for s in states if _is_abort(s)), None)
     if aborted is not None:
-        raise _abort_error(aborted)
+        raise abort_error(aborted.finish_reason)
     return states
 
 
@@ -97,7 +86,7 @@ async def _completion_events(ctx, body: oa.CompletionRequest, batch: oa.Completi
         async with aclosing(run_all(ctx, firsts, copies)) as updates:
             async for i, state in updates:
                 if _is_abort(state):
-                    yield _error_event(_abort_error(state))
+                    yield _error_event(abort_error(state.finish_reason))
                     break
                 first = i not in sent_logprobs
                 text = (prompts[i // n] if body.echo and first else "") + state.delta
@@ -172,7 +161,7 @@ async def _chat_events(ctx, body: oa.ChatCompletionRequest, first, copies, sessi
         async with aclosing(run_all(ctx, [first], [copies])) as updates:
             async for i, state in updates:
                 if _is_abort(state):
-                    yield _error_event(_abort_error(state))
+                    yield _error_event(abort_error(state.finish_reason))
                     break
                 if i not in started:
                     started[i] = 0

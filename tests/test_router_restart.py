@@ -113,15 +113,21 @@ def test_requests_move_off_a_restarting_replica_to_another(servers):
     assert router.registry.get(urls[0]).breaker.state == CLOSED
 
 
+def half_open_router(servers, cooldown: float):
+    """One fake worker behind a router whose breaker (2 failures open it, 100 successes close
+    it) has just opened; the worker answers well again."""
+    fakes, urls = start_fakes(servers, 1)
+    client, router = start_router(servers, urls, breaker_failure_threshold=2,
+                                  breaker_cooldown=cooldown, breaker_success_threshold=100)
+    open_circuit(client, router, fakes[0], urls[0])
+    return fakes[0], client, router.registry.get(urls[0]).breaker
+
+
 def test_half_open_admits_concurrent_requests(servers):
     # One replica whose circuit is half-open: 7 of 8 concurrent requests used to get an
     # immediate 503 while the single trial ran.
-    fakes, urls = start_fakes(servers, 1)
-    client, router = start_router(servers, urls, breaker_failure_threshold=2,
-                                  breaker_cooldown=0.3, breaker_success_threshold=100)
-    breaker = router.registry.get(urls[0]).breaker
-    open_circuit(client, router, fakes[0], urls[0])
-    fakes[0].delay = 0.3
+    fake, client, breaker = half_open_router(servers, cooldown=0.3)
+    fake.delay = 0.3
     assert wait_until(lambda: breaker.state == HALF_OPEN)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         statuses = list(pool.map(
@@ -147,15 +153,11 @@ def test_a_new_engine_gets_a_closed_circuit(servers):
 
 
 def test_an_answer_from_a_new_engine_closes_the_circuit(servers):
-    fakes, urls = start_fakes(servers, 1)
-    client, router = start_router(servers, urls, breaker_failure_threshold=2,
-                                  breaker_cooldown=0.2, breaker_success_threshold=100)
-    breaker = router.registry.get(urls[0]).breaker
-    open_circuit(client, router, fakes[0], urls[0])
+    fake, client, breaker = half_open_router(servers, cooldown=0.2)
     assert wait_until(lambda: breaker.state == HALF_OPEN)
     assert client.post("/generate", json={"text": "same engine"}).status_code == 200
     assert breaker.state == HALF_OPEN
-    fakes[0].restart()
+    fake.restart()
     assert client.post("/generate", json={"text": "new engine"}).status_code == 200
     assert breaker.state == CLOSED
 
