@@ -48,6 +48,7 @@ class InProcessEngine:
         # Requests this engine failed when it stopped (live ones and submissions it never
         # took): the scheduler, which counts the others, never finished them.
         self._failed_at_stop = 0
+        self._failed_prompt_tokens = 0  # their prompts' tokens
         self._tp = (time.monotonic(), 0)  # (time, generated tokens) at the last throughput mark
         self._throughput = 0.0
         self.tokenizer = None  # set by from_model
@@ -167,6 +168,8 @@ class InProcessEngine:
         if self._failed_at_stop:
             for key in ("num_requests_total", "num_aborted_requests_total"):
                 stats[key] = stats.get(key, 0) + self._failed_at_stop
+            stats["prompt_tokens_total"] = (stats.get("prompt_tokens_total", 0)
+                                            + self._failed_prompt_tokens)
         return stats
 
     # ------------------------------------------------------------------ test / debug helpers
@@ -268,6 +271,8 @@ class InProcessEngine:
     def _fail_all(self, message: str) -> None:
         sinks, self._sinks = self._sinks, {}
         self._failed_at_stop += len(sinks)
+        live = self.scheduler.live  # plain data: readable even after a failed step
+        self._failed_prompt_tokens += sum(live[rid].prompt_len for rid in sinks if rid in live)
         for rid, (loop, queue) in sinks.items():
             out = TokenOutput(rid, [], finished=True,  # 503: the server's fault, retry later
                               finish_reason={"type": "abort", "message": message,
@@ -280,6 +285,7 @@ class InProcessEngine:
             command = self._inbox.popleft()
             if command[0] == "add":
                 self._failed_at_stop += 1
+                self._failed_prompt_tokens += command[1].prompt_len
                 try:
                     command[2].call_soon_threadsafe(command[3].put_nowait,
                                                     RuntimeError(f"engine stopped: {message}"))

@@ -58,7 +58,7 @@ def test_counters_go_on_across_engines_and_gauges_idle_while_restarting():
     assert seen["num_requests_total"] == 257 and seen["num_running_reqs"] == 2
 
 
-def test_requests_an_engine_fails_when_it_stops_are_counted(tiny_llama_path):
+def test_requests_an_engine_fails_when_it_stops_are_counted_with_their_prompts(tiny_llama_path):
     engine = make_engine(tiny_llama_path)
     before = engine.stats()
 
@@ -74,6 +74,7 @@ def test_requests_an_engine_fails_when_it_stops_are_counted(tiny_llama_path):
     after = engine.stats()
     for key in ("num_requests_total", "num_aborted_requests_total"):
         assert after[key] == before.get(key, 0) + 1, key
+    assert after["prompt_tokens_total"] == before.get("prompt_tokens_total", 0) + 3
 
 
 def test_server_info_while_restarting_is_the_last_engines():
