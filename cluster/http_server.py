@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 
@@ -211,6 +212,8 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
         out["api_key"] = "***" if args.api_key else None
         out.update(args.extra)
         out.update(engine.server_info())
+        if not out.get("tokenizer_path"):  # as SGLang: the model's own when none was given
+            out["tokenizer_path"] = args.tokenizer_path or args.model_path
         out["version"] = __version__
         return out
 
@@ -219,7 +222,7 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
     for path in ("/server_info", "/get_server_info"):
         app.add_api_route(path, _server_info, methods=["GET"])
 
-    model_card = {"id": args.model_name, "object": "model", "created": 0,
+    model_card = {"id": args.model_name, "object": "model", "created": int(time.time()),
                   "owned_by": "radixray", "root": args.model_path,
                   "max_model_len": ctx.context_len}
 

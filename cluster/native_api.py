@@ -24,7 +24,8 @@ from .engine_protocol import GenerateRequest
 from .generation import (SSE_DONE, RequestState, ServingContext, Session, as_api_error,
                          bad_request, new_rid, sse)
 from .parallel_sampling import expand_copies, run_all
-from .request_checks import check_lengths, check_sampling_params, check_text, check_token_ids
+from .request_checks import (cache_namespace, check_lengths, check_sampling_params, check_text,
+                             check_token_ids)
 
 IntOrList = int | list[int] | None
 BoolOrList = bool | list[bool] | None
@@ -47,6 +48,7 @@ class GenerateReqInput(BaseModel):
     priority: int | None = None
     routing_key: str | None = None
     extra_key: str | None = None
+    cache_salt: str | None = None  # with extra_key, which cached prefixes it may share
     token_ids_logprob: list[int] | list[list[int]] | None = None  # not supported: a 400
 
 
@@ -97,17 +99,21 @@ def build_requests(body: GenerateReqInput, ctx: ServingContext
     firsts, copies = [], []
     for i, ids in enumerate(prompts):
         raw = _per_item(body.sampling_params, i, count, "sampling_params", {})
+        # errors name the field as the client wrote it: sampling_params.top_p, or
+        # sampling_params[1].top_p when each prompt has its own
+        where = "sampling_params" + (f"[{i}]." if isinstance(body.sampling_params, list)
+                                     else ".")
         try:
             sp = SamplingParams.from_dict(raw)
         except (ValueError, TypeError) as e:
             name, _, msg = str(e).partition(": ")
-            raise bad_request(f"sampling_params.{name}: {msg or e}", param=name) from None
-        check_sampling_params(sp, ctx.vocab_size)
+            raise bad_request(f"{where}{name}: {msg or e}", param=where + name) from None
+        check_sampling_params(sp, ctx.vocab_size, where=where)
         # As SGLang: prompt + max_new_tokens must fit the context only when the client set
         # max_new_tokens; the default (128) is cut short at the context's end instead.
         explicit = isinstance(raw, dict) and raw.get("max_new_tokens") is not None
         check_lengths(len(ids), sp.max_new_tokens if explicit else 0, ctx.context_len,
-                      prompt_field, "max_new_tokens")
+                      prompt_field, where + "max_new_tokens")
         return_logprob = _per_item(body.return_logprob, i, count, "return_logprob", False)
         start = _per_item(body.logprob_start_len, i, count, "logprob_start_len", -1)
         top_n = _per_item(body.top_logprobs_num, i, count, "top_logprobs_num", 0)
@@ -126,7 +132,8 @@ def build_requests(body: GenerateReqInput, ctx: ServingContext
             rid=rid, input_ids=list(ids), sampling_params=sp, return_logprob=return_logprob,
             logprob_start_len=start if return_logprob else -1,
             top_logprobs_num=top_n if return_logprob else 0, priority=body.priority or 0,
-            routing_key=body.routing_key, extra_key=body.extra_key)
+            routing_key=body.routing_key,
+            extra_key=cache_namespace(body.extra_key, body.cache_salt))
         firsts.append(req)
         copies.append(expand_copies(req, sp.n))
     return firsts, copies, batch

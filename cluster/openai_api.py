@@ -21,7 +21,8 @@ from .chat_prompt import chat_prompt_ids, check_strings
 from .engine_protocol import GenerateRequest
 from .generation import APIError, ServingContext, bad_request, new_rid
 from .parallel_sampling import expand_copies
-from .request_checks import check_lengths, check_sampling_params, check_text, check_token_ids
+from .request_checks import (cache_namespace, check_lengths, check_sampling_params, check_text,
+                             check_token_ids)
 from .tool_calls import NamedToolChoice, Tool, ToolPlan, plan_tools
 
 MAX_TOP_LOGPROBS = 20
@@ -188,7 +189,7 @@ def _engine_request(body: _SamplingFields, ctx: ServingContext, ids: list[int],
         rid=rid, input_ids=ids, sampling_params=sp, return_logprob=return_logprob,
         logprob_start_len=logprob_start if return_logprob else -1,
         top_logprobs_num=top_n if return_logprob else 0, priority=body.priority or 0,
-        extra_key=body.extra_key or body.cache_salt)
+        extra_key=cache_namespace(body.extra_key, body.cache_salt))
 
 
 def _check_request(body: _SamplingFields) -> None:

@@ -200,11 +200,12 @@ def tool_finish_fields(state: RequestState) -> dict:
     return fields
 
 
-def envelope(kind: str, rid: str, model: str, choices: list[dict], usage_: dict | None) -> dict:
-    """kind: text_completion | chat.completion | chat.completion.chunk."""
+def envelope(kind: str, rid: str, model: str, choices: list[dict], usage_: dict | None,
+             created: int | None = None) -> dict:
+    """kind: text_completion | chat.completion | chat.completion.chunk. Every chunk of one
+    stream carries the same ``created`` (the stream's start) and a ``usage`` key: null but on
+    the usage chunk that ``stream_options.include_usage`` adds at the end, as OpenAI's do."""
     prefix = "cmpl-" if kind == "text_completion" else "chatcmpl-"
-    out = {"id": prefix + rid, "object": kind, "created": int(time.time()), "model": model,
-           "choices": choices}
-    if usage_ is not None or not kind.endswith("chunk"):
-        out["usage"] = usage_
-    return out
+    return {"id": prefix + rid, "object": kind,
+            "created": int(time.time()) if created is None else created, "model": model,
+            "choices": choices, "usage": usage_}

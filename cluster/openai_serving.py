@@ -6,6 +6,7 @@ drives the engine through ``generation`` and decides what each stream chunk carr
 
 from __future__ import annotations
 
+import time
 from contextlib import aclosing
 
 from fastapi import Request
@@ -82,6 +83,7 @@ async def _completion_events(ctx, body: oa.CompletionRequest, batch: oa.Completi
     sent_logprobs: dict[int, int] = {}  # choice index -> output tokens whose logprobs went
     offsets: dict[int, res.OutputOffsets] = {}  # choice index -> its output's text offsets
     finals: dict[int, RequestState] = {}
+    created = int(time.time())
     try:
         async with aclosing(run_all(ctx, firsts, copies)) as updates:
             async for i, state in updates:
@@ -111,12 +113,13 @@ async def _completion_events(ctx, body: oa.CompletionRequest, batch: oa.Completi
                     sent_logprobs[i] = len(state.output_token_logprobs)
                 choice = {"index": i, "text": text, "logprobs": logprobs,
                           **res.finish_fields(state)}
-                yield sse(res.envelope("text_completion", base, ctx.model_name, [choice], None))
+                yield sse(res.envelope("text_completion", base, ctx.model_name, [choice], None,
+                                       created))
             else:
                 if body.stream_options and body.stream_options.include_usage:
                     states = [finals[i] for i in sorted(finals)]
                     yield sse(res.envelope("text_completion", base, ctx.model_name, [],
-                                           res.usage(states, n)))
+                                           res.usage(states, n), created))
         yield SSE_DONE
     except Exception as e:
         yield _error_event(as_api_error(e))
@@ -148,6 +151,7 @@ async def _chat_events(ctx, body: oa.ChatCompletionRequest, first, copies, sessi
     started: dict[int, int] = {}  # choice index -> output logprobs sent
     finals: dict[int, RequestState] = {}
     tools: dict[int, ToolStream] = {}  # choice index -> its reply's content/call split
+    created = int(time.time())
 
     def chunk(i: int, delta: dict, logprobs, state: RequestState | None,
               fields: dict | None = None) -> str:
@@ -155,7 +159,7 @@ async def _chat_events(ctx, body: oa.ChatCompletionRequest, first, copies, sessi
             fields = res.finish_fields(state) if state is not None else {"finish_reason": None}
         choice = {"index": i, "delta": delta, "logprobs": logprobs, **fields}
         return sse(res.envelope("chat.completion.chunk", first.rid, ctx.model_name, [choice],
-                               None))
+                               None, created))
 
     try:
         async with aclosing(run_all(ctx, [first], [copies])) as updates:
@@ -193,7 +197,7 @@ async def _chat_events(ctx, body: oa.ChatCompletionRequest, first, copies, sessi
                 if body.stream_options and body.stream_options.include_usage:
                     states = [finals[i] for i in sorted(finals)]
                     yield sse(res.envelope("chat.completion.chunk", first.rid, ctx.model_name,
-                                           [], res.usage(states, len(copies))))
+                                           [], res.usage(states, len(copies)), created))
         yield SSE_DONE
     except Exception as e:
         yield _error_event(as_api_error(e))

@@ -13,10 +13,11 @@ from .generation import bad_request
 
 
 def check_sampling_params(sp: SamplingParams, vocab_size: int | None,
-                          rename: dict[str, str] | None = None) -> None:
+                          rename: dict[str, str] | None = None, where: str = "") -> None:
     """``sp.verify`` plus checks it leaves out; raises a 400 naming the client's field
     (``rename`` maps SamplingParams names to the API's, e.g. max_new_tokens -> max_tokens, in
-    the message's text too: "min_tokens: must not exceed max_tokens")."""
+    the message's text too: "min_tokens: must not exceed max_tokens"; ``where`` goes before
+    the name: "sampling_params[1]." for the second prompt's own parameters)."""
     rename = rename or {}
     try:
         sp.verify(vocab_size)
@@ -46,7 +47,7 @@ def check_sampling_params(sp: SamplingParams, vocab_size: int | None,
         name, _, msg = str(e).partition(": ")
         for ours, theirs in rename.items():
             msg = re.sub(rf"\b{ours}\b", theirs, msg)
-        name = rename.get(name, name)
+        name = where + rename.get(name, name)
         raise bad_request(f"{name}: {msg}", param=name) from None
 
 
@@ -89,6 +90,15 @@ def check_text(text: str, field_name: str) -> None:
     if at is not None:
         raise bad_request(f"{field_name}: not valid Unicode text (a lone surrogate at character "
                           f"{at})", param=field_name)
+
+
+def cache_namespace(extra_key: str | None, cache_salt: str | None) -> str | None:
+    """The radix key's ``extra_key`` for a request: requests share cached prefixes only when
+    both their ``extra_key`` and their ``cache_salt`` are equal (empty means unset). A salt is
+    encoded together with the key, so no salt equals some other request's bare extra_key."""
+    if not cache_salt:
+        return extra_key or None
+    return json.dumps([extra_key or None, cache_salt])
 
 
 def check_token_ids(ids: list[int], vocab_size: int, field_name: str) -> None:

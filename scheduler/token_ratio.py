@@ -3,9 +3,10 @@ that running requests are expected to still need.
 
 Admission reserves ``remaining max_new_tokens x ratio`` slots per running request. Most requests
 stop well before their limit, so the ratio starts optimistic-but-careful (0.7), decays linearly
-each decode step towards 0.14 (admitting more as long as nothing goes wrong), and jumps back
-up when decode runs out of slots and has to retract requests. All three constants scale with
-``--schedule-conservativeness``.
+over 600 decode steps towards 0.14 of that start (0.098; admitting more as long as nothing goes
+wrong), and jumps back up when decode runs out of slots and has to retract requests. The start
+scales with ``--schedule-conservativeness``, and no estimate exceeds 1 (reserving more than a
+request's whole ``max_new_tokens`` would only keep requests that fit waiting), as in SGLang.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ CLIP_MAX_NEW_TOKENS = 4096  # caps one request's max_new_tokens in every estimat
 
 class NewTokenRatio:
     def __init__(self, conservativeness: float = 1.0):
-        self.init = INIT_RATIO * conservativeness
-        self.min = min(MIN_RATIO_FACTOR * conservativeness, self.init)
+        self.init = min(INIT_RATIO * conservativeness, 1.0)
+        self.min = self.init * MIN_RATIO_FACTOR
         self.decay = (self.init - self.min) / DECAY_STEPS
         self.value = self.init
 

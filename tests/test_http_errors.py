@@ -121,7 +121,9 @@ BAD_INPUTS = [
     # seeds are 64-bit (the sampler would alias a wider one with a narrower one)
     ("/v1/completions", {**COMPLETION, "seed": 1 << 64}, 400, "seed: must be in", "seed"),
     ("/generate", {"text": "a", "sampling_params": {"seed": -(1 << 63) - 1}}, 400,
-     "seed: must be in", "seed"),
+     "sampling_params.seed: must be in", "sampling_params.seed"),
+    ("/generate", {"text": ["a", "b"], "sampling_params": [{}, {"max_new_tokens": -1}]}, 400,
+     "sampling_params[1].max_new_tokens: must be", "sampling_params[1].max_new_tokens"),
     # OpenAI's roles only; no insert mode; best_of at least n, and never streamed above it
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "a"}]}, 400,
      "messages[0].role: Input should be 'system', 'developer'", "messages[0].role"),

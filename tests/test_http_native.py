@@ -219,6 +219,22 @@ def test_parallel_samples_share_the_prompt(client, server, engine):
     assert [res["meta_info"]["cached_tokens"] for res in again] == [n_prompt - 1] * 3
 
 
+def test_cache_salt_and_extra_key_keep_cached_prefixes_apart(client):
+    """cache_salt was silently ignored on /generate: salted tenants shared their prefixes."""
+    def cached(**keys) -> int:
+        body = {"text": "class Salted(object):", "sampling_params": {"max_new_tokens": 1},
+                **keys}
+        r = client.post("/generate", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["meta_info"]["cached_tokens"]
+
+    assert cached(cache_salt="a") == 0
+    assert cached(cache_salt="b") == 0
+    assert cached(extra_key="a") == 0
+    assert cached(extra_key="k", cache_salt="a") == 0
+    assert cached(cache_salt="a") > 0
+
+
 def test_operational_endpoints(client, server, engine, tiny_llama_path):
     assert client.get("/health").status_code == 200
     assert client.get("/health_generate").status_code == 200

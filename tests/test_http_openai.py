@@ -148,6 +148,30 @@ def test_streaming_equals_non_streamed(client):
     assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
 
 
+def test_a_streams_chunks_share_one_created_and_carry_usage(server, monkeypatch):
+    """Chunks took `created` from the clock each (a stream crossing a second had two), and chat
+    chunks had no `usage` key where OpenAI's carry null before the usage chunk."""
+    import itertools
+    from types import SimpleNamespace
+
+    from radixray.cluster import openai_responses, openai_serving
+
+    clock = SimpleNamespace(time=itertools.count(1_700_000_000).__next__)  # a second per call
+    monkeypatch.setattr(openai_serving, "time", clock)
+    monkeypatch.setattr(openai_responses, "time", clock)
+    common = {"model": MODEL_NAME, "max_tokens": 6, "temperature": 0, "stream": True,
+              "stream_options": {"include_usage": True}, "ignore_eos": True}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for path, body in (("/v1/completions", {"prompt": "def f(x):"}),
+                           ("/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": "hi"}]})):
+            events = [e for e in post_stream(http, path, {**common, **body}) if e != "[DONE]"]
+            assert len(events) >= 3, events
+            assert len({e["created"] for e in events}) == 1, (path, events)
+            assert all("usage" in e for e in events), path
+            assert [e["usage"] is None for e in events] == [True] * (len(events) - 1) + [False]
+
+
 def test_n_copies_share_the_prompt_and_differ(client, server):
     prompt = "def handle_request(self, request):\n    "
     n_prompt = len(server.tokenizer.encode(prompt))
@@ -318,6 +342,15 @@ def test_sglang_extras_are_honoured(client, server):
     same = client.completions.create(model=MODEL_NAME, prompt="def", max_tokens=1,
                                      extra_body={"cache_salt": "tenant-a"})
     assert same.usage.prompt_tokens_details.cached_tokens == same.usage.prompt_tokens - 1 > 0
+    # extra_key and cache_salt both count (the salt was dropped when both came), and a salt
+    # never stands for someone else's bare extra_key
+    def cached(**extra):
+        return client.completions.create(model=MODEL_NAME, prompt="def salted", max_tokens=1,
+                                         extra_body=extra).usage.prompt_tokens_details.cached_tokens
+    assert cached(extra_key="k", cache_salt="s1") == 0
+    assert cached(extra_key="k", cache_salt="s2") == 0
+    assert cached(extra_key="s1") == 0
+    assert cached(extra_key="k", cache_salt="s1") > 0
     # stop_token_ids: stop at the first generated token, which is not shown
     first = tok.encode(c.choices[0].text, add_special_tokens=False)[0]
     s = client.completions.create(model=MODEL_NAME, prompt="def", max_tokens=20, temperature=0,
