@@ -14,6 +14,11 @@ from typing import AsyncIterator, Protocol
 
 from ..worker.sampling_params import SamplingParams
 
+# How long a replica's /health waits for its one-token generation by default. Below the
+# router's own limit (router/config.py, 20 s), so the router hears the verdict on a busy
+# replica (healthy: it made progress) before it gives up on the check.
+HEALTH_CHECK_TIMEOUT_S = 15.0
+
 # (logprob, token id); text is added by the HTTP layer when asked
 LogprobEntry = tuple[float, int]
 

@@ -104,6 +104,9 @@ class SwappableEngine:
                 stats.update(RESTARTING_GAUGES)
             for key, total in self._retired_totals().items():
                 stats[key] = stats.get(key, 0) + total
+        # "since the replica started", as the counters: a new engine's own rate began at 0
+        prompt = stats.get("prompt_tokens_total", 0)
+        stats["cache_hit_rate"] = stats.get("cached_tokens_total", 0) / prompt if prompt else 0.0
         return stats
 
 

@@ -142,7 +142,10 @@ class RequestState:
             self.input_token_logprobs = list(out.input_token_logprobs)
             self.input_top_logprobs = list(out.input_top_logprobs or [])
         new = list(out.new_token_ids)
-        if new:
+        # Text a grammar forces at the start goes out before the prompt is computed (its
+        # output has no queue_time yet): the first token, for TTFT and ITL, is the first one
+        # that follows the prefill.
+        if new and (self.first_token_time is not None or out.queue_time is not None):
             if self.first_token_time is None:
                 self.first_token_time = now
             elif self._last_token_time is not None:
@@ -289,6 +292,7 @@ async def run_request(ctx: ServingContext, req: GenerateRequest,
         yield state
         return
     stream = ctx.engine.generate(req)
+    refused = False  # by the engine: it never ran, so no latency to record
     try:
         while True:
             try:
@@ -296,8 +300,10 @@ async def run_request(ctx: ServingContext, req: GenerateRequest,
             except StopAsyncIteration:
                 break
             except ValueError as e:  # the engine rejected the request; the message names the field
+                refused = True
                 raise bad_request(str(e), param=str(e).partition(":")[0]) from None
             except RuntimeError as e:  # the engine is not running
+                refused = True
                 raise unavailable(e) from None
             ctx.waiting.discard(req.rid)
             state.apply(out)
@@ -314,7 +320,9 @@ async def run_request(ctx: ServingContext, req: GenerateRequest,
     finally:
         ctx.waiting.discard(req.rid)
         await stream.aclose()
-        if ctx.metrics is not None and state.finished:
+        # A request the client cut (it left, or its stream was closed) is recorded up to the
+        # cut, as the engine counts it (aborted); so is one /abort_request ended.
+        if ctx.metrics is not None and not refused:
             ctx.metrics.observe_request(
                 None if state.first_token_time is None else state.first_token_time - state.start,
                 state.itl, state.e2e_latency, state.queue_time)

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException
 from .. import __version__
 from ..router.config import CACHE_EPOCH_HEADER
 from . import native_api, openai_api, tokenize_api
-from .engine_protocol import EngineClient
+from .engine_protocol import HEALTH_CHECK_TIMEOUT_S, EngineClient
 from .generation import (APIError, ServingContext, abort_error, bad_request, new_rid,
                          prepare_off_loop_if_large, until_disconnect)
 from .metrics import COUNTERS, EXPOSITION_CONTENT_TYPE, GAUGES, EngineMetrics
@@ -52,7 +52,7 @@ class ServerArgs:
     api_key: str | None = None
     max_queued_requests: int | None = None
     tool_call_parser: str | None = None  # tool_calls.PARSERS key (--tool-call-parser)
-    health_check_timeout: float = 20.0
+    health_check_timeout: float = HEALTH_CHECK_TIMEOUT_S
     context_len: int | None = None  # None: the engine's max_context_len
     replica: str = "0"
     extra: dict = field(default_factory=dict)

@@ -17,10 +17,12 @@ import subprocess
 import sys
 
 from ..router.config import POLICY_NAMES, WORKER_API_KEY_ENV
+from .engine_protocol import HEALTH_CHECK_TIMEOUT_S as REPLICA_HEALTH_TIMEOUT_S
 from .tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 DEMO_MODEL_NAME = "radixray-demo"  # what clients send as "model" to the built-in demo model
 REPLICA_PORT_POLICIES = ("per-replica", "per-node")
+ROUTER_HEALTH_MARGIN_S = 5.0  # the router's health checks wait this much longer than /health
 
 # Scheduler arguments as flags: SchedulerConfig's field -> (type, help). Defaults come from
 # SchedulerConfig itself, so --help always shows the real ones.
@@ -102,8 +104,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="parse tool calls in the chat API's replies, in this model family's "
                         "format (qwen25/hermes: <tool_call> blocks; llama3: JSON); None: "
                         "replies stay text")
-    p.add_argument("--health-check-timeout", type=float, default=20.0,
-                   help="seconds /health may wait for its one-token generation")
+    p.add_argument("--health-check-timeout", type=float, default=REPLICA_HEALTH_TIMEOUT_S,
+                   help="seconds a replica's /health may wait for its one-token generation "
+                        "(past it, a replica that made progress meanwhile is busy, so "
+                        "healthy); the router serve starts waits this plus "
+                        f"{ROUTER_HEALTH_MARGIN_S:g} s for the answer")
     g = p.add_argument_group("cluster")
     g.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1,
                    help="tensor-parallel ranks per replica (one Ray actor each)")
@@ -185,6 +190,16 @@ def missing_resources(cluster: dict, device: str, ranks: int) -> str | None:
     need = {k: v * ranks for k, v in rank_bundle(device).items()}
     short = [f"{need[k]:g} {k}" for k in sorted(need) if cluster.get(k, 0) < need[k]]
     return ", ".join(short) or None
+
+
+def router_command(args: argparse.Namespace, urls: list[str], discovery: list[str]) -> list[str]:
+    """The router process serve starts. Its health checks wait longer than a replica's /health
+    takes to give its verdict: with equal limits the router gave up first, and a busy replica
+    (whose late answer is "healthy") dropped out of rotation after three checks."""
+    return [sys.executable, "-m", "radixray.router", "--host", args.host, "--port",
+            str(args.port), "--policy", args.router_policy, "--worker-urls", *urls,
+            "--health-check-timeout", f"{args.health_check_timeout + ROUTER_HEALTH_MARGIN_S:g}",
+            *discovery]
 
 
 def discovery_args(ray, namespace: str) -> list[str]:
@@ -283,11 +298,9 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"radixray: {len(urls)} replica(s) ready: {' '.join(urls)}", flush=True)
         # The router starts with the replicas' URLs and also watches Ray: a head that Ray
         # restarts elsewhere, or where its port is taken, serves at another URL.
-        router = subprocess.Popen([
-            sys.executable, "-m", "radixray.router", "--host", args.host, "--port",
-            str(args.port), "--policy", args.router_policy, "--worker-urls", *urls,
-            *discovery_args(ray, args.ray_namespace)],
-            preexec_fn=_die_with_parent(), env=router_env(args.api_key))
+        command = router_command(args, urls, discovery_args(ray, args.ray_namespace))
+        router = subprocess.Popen(command, preexec_fn=_die_with_parent(),
+                                  env=router_env(args.api_key))
         print(f"radixray serving {args.served_model_name or model_path} at "
               f"http://{args.host}:{args.port} (router; OpenAI API under /v1, SGLang native "
               f"POST /generate)", flush=True)

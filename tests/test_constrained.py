@@ -285,7 +285,8 @@ def test_http_constraints(tiny_llama_path, closing_bias):
             r = client.post("/generate", json={"text": "a", "sampling_params": {"regex": "a(b"}})
             assert r.status_code == 400
             err = r.json()["error"]
-            assert err["message"].startswith("regex: ") and err["param"] == "regex"
+            assert err["message"].startswith("sampling_params.regex: ")
+            assert err["param"] == "sampling_params.regex"
             r = client.post("/v1/completions", json={
                 "model": MODEL_NAME, "prompt": "a", "regex": "a+",
                 "response_format": {"type": "json_object"}})

@@ -58,6 +58,24 @@ def test_counters_go_on_across_engines_and_gauges_idle_while_restarting():
     assert seen["num_requests_total"] == 257 and seen["num_running_reqs"] == 2
 
 
+def test_the_cache_hit_rate_covers_every_engine_the_replica_ran():
+    """It restarted from 0 with each new engine, while its help says "since the replica
+    started" and the token counters it is the ratio of go on."""
+    slot = SwappableEngine()
+    first = StubEngine({"prompt_tokens_total": 100, "cached_tokens_total": 40,
+                        "cache_hit_rate": 0.4})
+    slot.swap(first)
+    assert slot.stats()["cache_hit_rate"] == 0.4
+    first.alive = False
+    slot.swap(None)
+    first.stopped = True
+    assert slot.stats()["cache_hit_rate"] == 0.4  # while restarting too
+    slot.swap(StubEngine({"prompt_tokens_total": 100, "cached_tokens_total": 0,
+                          "cache_hit_rate": 0.0}))
+    assert slot.stats()["cache_hit_rate"] == 0.2
+    assert SwappableEngine().stats()["cache_hit_rate"] == 0.0
+
+
 def test_requests_an_engine_fails_when_it_stops_are_counted_with_their_prompts(tiny_llama_path):
     engine = make_engine(tiny_llama_path)
     before = engine.stats()

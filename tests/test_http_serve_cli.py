@@ -135,3 +135,20 @@ def test_missing_resources_names_what_the_ranks_lack():
     assert missing_resources({"CPU": 8.0}, "cpu", 4) is None
     assert missing_resources({"CPU": 8.0, "GPU": 2.0}, "cuda", 4) == "4 GPU"
     assert missing_resources({"CPU": 2.0}, "cuda", 4) == "4 CPU, 4 GPU"
+
+
+def test_the_router_waits_for_a_busy_replicas_health_verdict():
+    """With equal limits (20 s each) the router gave up on /health just before a busy replica
+    answered "healthy" at its limit, so a busy replica left rotation after three checks."""
+    import argparse
+
+    from radixray.cluster.serve import router_command
+    from radixray.router.cli import add_router_arguments
+
+    for flags, replica_limit in (([], 15.0), (["--health-check-timeout", "40"], 40.0)):
+        args = build_parser().parse_args(["serve", *flags])
+        assert args.health_check_timeout == replica_limit
+        command = router_command(args, ["http://127.0.0.1:1"], [])
+        assert command[1:3] == ["-m", "radixray.router"]
+        router = add_router_arguments(argparse.ArgumentParser()).parse_args(command[3:])
+        assert router.health_check_timeout >= replica_limit + 5
