@@ -61,6 +61,14 @@ class _Collected:
             self.input_top_logprobs = out.input_top_logprobs
         self.last = out
 
+    def after_warmup(self, warm: "_Collected", prompt_len: int) -> None:
+        """A copy (n > 1) reports its warm-up's cache hit (capped as a generating request's:
+        it recomputes the last prompt token) and waited for it too."""
+        cached = min(warm.last.cached_tokens, prompt_len - 1)
+        self.last = replace(self.last, cached_tokens=cached,
+                            host_cached_tokens=min(warm.last.host_cached_tokens, cached))
+        self.latency += warm.latency
+
 
 def split_server_args(server_args: dict) -> tuple[dict, dict]:
     """(SchedulerConfig kwargs, runner kwargs); unknown names raise ValueError naming them."""
@@ -169,7 +177,7 @@ class Engine:
                                    ("top_logprobs_num", top_logprobs_num), ("rid", rid),
                                    ("priority", priority), ("routing_key", routing_key),
                                    ("extra_key", extra_key))}
-        reqs = []
+        reqs, warmups = [], {}  # warmups: copy rid -> its prompt's warm-up (n > 1)
         for i in range(count):
             params[i].verify(self.runner.model_config.vocab_size)
             self._check_length(len(ids[i]), raw_params[i], params[i])
@@ -178,6 +186,12 @@ class Engine:
                 base = f"{rid}-{i}"
             start = _logprob_start(per["return_logprob"][i], per["logprob_start_len"][i],
                                    len(ids[i]))
+            if sp.n > 1:  # as the HTTP API: the prompt is computed once, then its copies run
+                warm = Req(f"{base}-prefill-{uuid.uuid4().hex[:8]}", ids[i],
+                           replace(sp, n=1, max_new_tokens=0, min_new_tokens=0),
+                           priority=per["priority"][i], routing_key=per["routing_key"][i],
+                           extra_key=per["extra_key"][i])
+                warmups.update({f"{base}-{k}": warm for k in range(sp.n)})
             for k in range(sp.n):
                 # copy k samples with seed + k, as the HTTP API's copies do: one seed for all
                 # would make the n samples identical
@@ -189,7 +203,11 @@ class Engine:
                     logprob_start_len=start,
                     top_logprobs_num=per["top_logprobs_num"][i], priority=per["priority"][i],
                     routing_key=per["routing_key"][i], extra_key=per["extra_key"][i]))
-        collected = self._run(reqs)
+        collected = self._run(list({id(w): w for w in warmups.values()}.values()), reqs)
+        for r in reqs:  # a copy reports its prompt's real hit and arrival: the warm-up's
+            warm = warmups.get(r.rid)
+            if warm is not None:
+                collected[r.rid].after_warmup(collected[warm.rid], r.prompt_len)
         results = [self._result(r, collected[r.rid], return_text_in_logprobs) for r in reqs]
         return results[0] if single and len(results) == 1 else results
 
@@ -221,9 +239,10 @@ class Engine:
             raise ValueError("input_ids: a batch must be a list of lists of token ids")
         return single, [list(input_ids)] if single else [list(x) for x in input_ids]
 
-    def _run(self, reqs: list[Req]) -> dict[str, _Collected]:
-        """Queue all requests (all validated first), step until each has finished. One call at
-        a time (other threads wait). A step that raises (Ctrl-C in a notebook, a failed
+    def _run(self, warmups: list[Req], reqs: list[Req]) -> dict[str, _Collected]:
+        """Run ``warmups``, then ``reqs`` (all validated first): queue them, step until each has
+        finished. One call at a time (other threads wait). A step that raises (Ctrl-C in a
+        notebook, a failed
         forward) leaves the scheduler between a batch it built and the outputs it never
         processed: it is replaced by a fresh one (the radix cache starts empty), so the engine
         goes on serving, and the exception is raised."""
@@ -231,7 +250,7 @@ class Engine:
             if self.scheduler is None:
                 raise RuntimeError("the engine has been shut down")
             try:
-                return self._run_locked(reqs)
+                return self._run_locked(warmups, reqs)
             except BaseException:
                 if self.scheduler is not None and self._stepping:
                     old, self.scheduler = self.scheduler, self._new_scheduler()
@@ -239,21 +258,27 @@ class Engine:
                         old.grammars.backend.shutdown()
                 raise
 
-    def _run_locked(self, reqs: list[Req]) -> dict[str, _Collected]:
+    def _run_locked(self, warmups: list[Req], reqs: list[Req]) -> dict[str, _Collected]:
         # Set once requests are queued: from then on a failure may leave the scheduler half way
         self._stepping = False
         seen = set()
-        for r in reqs:
+        for r in warmups + reqs:
             if r.rid in seen:
                 raise ValueError(f"rid: {r.rid!r} appears twice")
             seen.add(r.rid)
             self.scheduler.validate_request(r)
         self._stepping = True
+        collected = self._run_phase(warmups, {})
+        return self._run_phase(reqs, collected)
+
+    def _run_phase(self, reqs: list[Req], collected: dict[str, _Collected]
+                   ) -> dict[str, _Collected]:
+        """Queue ``reqs`` and step until each has finished; adds their outputs to ``collected``."""
         for r in reqs:
             self.scheduler.add_request(r)
-        collected = {r.rid: _Collected() for r in reqs}
+        collected.update({r.rid: _Collected() for r in reqs})
         started = time.perf_counter()
-        pending = set(collected)
+        pending = {r.rid for r in reqs}
         while pending:
             for out in self.scheduler.step():
                 if out.rid in collected:

@@ -204,14 +204,23 @@ def test_input_logprobs_across_chunks_equal_an_unchunked_prefill(tiny_llama_path
 
 def test_batch_shapes_n_and_ids(tiny_llama_path):
     with Engine(tiny_llama_path, max_total_tokens=2048) as engine:
-        long = "import os\nimport sys\n" * 12  # > 32 tokens: the second copy waits and hits
+        long = "import os\nimport sys\n" * 12
+        computed = engine.scheduler.stats.prefill_tokens
         outs = engine.generate(prompt=["a b c", long], rid=["first", "second"],
                                sampling_params=[{"max_new_tokens": 2, **GREEDY},
                                                 {"max_new_tokens": 3, "n": 2, **GREEDY}])
         assert [o["meta_info"]["id"] for o in outs] == ["first", "second-0", "second-1"]
         assert [o["meta_info"]["completion_tokens"] for o in outs] == [2, 3, 3]
         assert outs[1]["output_ids"] == outs[2]["output_ids"]
-        assert outs[2]["meta_info"]["cached_tokens"] > 0  # the copies share the prompt
+        # As the HTTP API: the prompt is computed once (a warm-up), each copy recomputes only
+        # its last token, and every copy reports the prompt's own hit (none, fresh), where the
+        # first copy said 0 and the others the hit it gave them.
+        short, n_long = outs[0]["meta_info"], outs[1]["meta_info"]["prompt_tokens"]
+        assert engine.scheduler.stats.prefill_tokens - computed == \
+            short["prompt_tokens"] - short["cached_tokens"] + n_long + 2
+        assert [o["meta_info"]["cached_tokens"] for o in outs[1:]] == [0, 0]
+        again = engine.generate(prompt=long, sampling_params={"max_new_tokens": 1, "n": 3})
+        assert [o["meta_info"]["cached_tokens"] for o in again] == [n_long - 1] * 3
         # one rid for a batch names its prompts rid-0, rid-1 (as the HTTP API); it was
         # repeated, and the batch refused as "appears twice"
         outs = engine.generate(prompt=["a", "b"], rid="both", sampling_params=GREEDY)
