@@ -183,12 +183,13 @@ class ServingContext:
 
     def __init__(self, engine: EngineClient, tokenizer, model_name: str, context_len: int,
                  vocab_size: int, max_queued_requests: int | None = None, metrics=None,
-                 tool_call_parser: str | None = None):
+                 tool_call_parser: str | None = None, pool_tokens: int | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.context_len = context_len
         self.vocab_size = vocab_size
+        self.pool_tokens = pool_tokens  # KV slots: a prompt must fit them (None: unchecked)
         self.max_queued_requests = max_queued_requests
         self.metrics = metrics
         self.tool_call_parser = tool_call_parser  # tool_calls.PARSERS key; None: no parsing

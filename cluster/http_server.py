@@ -156,7 +156,7 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
         context_len=args.context_len or info.get("max_context_len") or tokenizer.model_max_length,
         vocab_size=info.get("vocab_size") or len(tokenizer),
         max_queued_requests=args.max_queued_requests, metrics=metrics,
-        tool_call_parser=args.tool_call_parser)
+        tool_call_parser=args.tool_call_parser, pool_tokens=info.get("max_total_num_tokens"))
     state = {"shutting_down": False}
     model_cfg = _model_config(args.model_path)
 

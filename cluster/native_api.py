@@ -113,7 +113,7 @@ def build_requests(body: GenerateReqInput, ctx: ServingContext
         # max_new_tokens; the default (128) is cut short at the context's end instead.
         explicit = isinstance(raw, dict) and raw.get("max_new_tokens") is not None
         check_lengths(len(ids), sp.max_new_tokens if explicit else 0, ctx.context_len,
-                      prompt_field, where + "max_new_tokens")
+                      prompt_field, where + "max_new_tokens", ctx.pool_tokens)
         return_logprob = _per_item(body.return_logprob, i, count, "return_logprob", False)
         start = _per_item(body.logprob_start_len, i, count, "logprob_start_len", -1)
         top_n = _per_item(body.top_logprobs_num, i, count, "top_logprobs_num", 0)

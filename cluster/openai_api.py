@@ -264,7 +264,8 @@ def completion_requests(body: CompletionRequest, ctx: ServingContext) -> Complet
         else:
             ids = list(prompt)
             check_token_ids(ids, ctx.vocab_size, "prompt")
-        check_lengths(len(ids), max_tokens, ctx.context_len, "prompt", names["max_new_tokens"])
+        check_lengths(len(ids), max_tokens, ctx.context_len, "prompt", names["max_new_tokens"],
+                      ctx.pool_tokens)
         rid = base if len(prompts) == 1 else f"{base}-{i}"
         start = 0 if body.echo else len(ids) - 1
         req = _engine_request(body, ctx, ids, sp, rid, start, body.logprobs or 0,
@@ -317,7 +318,8 @@ def chat_requests(body: ChatCompletionRequest, ctx: ServingContext
                               "stop_regex", param="tool_choice")
         sp = replace(sp, ebnf=plan.forced_ebnf)
     check_sampling_params(sp, ctx.vocab_size, names)
-    check_lengths(len(ids), max_tokens, ctx.context_len, "messages", names["max_new_tokens"])
+    check_lengths(len(ids), max_tokens, ctx.context_len, "messages", names["max_new_tokens"],
+                  ctx.pool_tokens)
     req = _engine_request(body, ctx, ids, sp, body.rid or new_rid(), len(ids) - 1,
                           body.top_logprobs or 0, bool(body.logprobs))
     return req, expand_copies(req, sp.n), plan

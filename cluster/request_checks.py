@@ -52,13 +52,18 @@ def check_sampling_params(sp: SamplingParams, vocab_size: int | None,
 
 
 def check_lengths(prompt_len: int, max_new_tokens: int, context_len: int, prompt_field: str,
-                  max_field: str) -> None:
-    """400 when the prompt is empty, alone fills the context, or prompt + completion exceed it."""
+                  max_field: str, pool_tokens: int | None = None) -> None:
+    """400 when the prompt is empty, alone fills the context or the KV pool (``pool_tokens``
+    slots), or prompt + completion exceed the context. Checked here, before any stream
+    starts, so the answer is a real 400 naming the client's field."""
     if prompt_len == 0:
         raise bad_request(f"{prompt_field}: the prompt is empty", param=prompt_field)
     if prompt_len >= context_len:
         raise bad_request(f"{prompt_field}: the prompt has {prompt_len} tokens; the model's "
                           f"context length is {context_len}", param=prompt_field)
+    if pool_tokens is not None and prompt_len + 1 > pool_tokens:
+        raise bad_request(f"{prompt_field}: the prompt has {prompt_len} tokens; the KV cache "
+                          f"holds {pool_tokens}", param=prompt_field)
     overflow = context_overflow(prompt_len, max_new_tokens, context_len, max_field)
     if overflow:
         raise bad_request(overflow, param=max_field)

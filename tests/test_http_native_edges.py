@@ -9,7 +9,8 @@ import time
 import httpx
 import pytest
 
-from http_helpers import client_fixture, serving_fixtures
+from http_helpers import (MODEL_NAME, ServerThread, client_fixture, make_engine,
+                          serving_fixtures)
 from test_http_native import _frozen_engine, _post_in_thread
 
 engine, server = serving_fixtures()
@@ -115,3 +116,29 @@ def test_a_large_batch_is_checked_for_repeated_rids_in_linear_time():
     with pytest.raises(APIError, match="'r49999' appears twice"):
         ctx.open_session("big", reqs + reqs[-1:])
     assert time.perf_counter() - started < 2.0  # quadratic: minutes
+
+
+def test_a_prompt_the_kv_cache_cannot_hold_is_a_400_naming_the_clients_field(tiny_llama_path):
+    """It named input_ids whatever the client sent, and streamed it was a 200 with an in-band
+    error (which the router counted as served)."""
+    eng = make_engine(tiny_llama_path, max_total_tokens=64)
+    try:
+        with ServerThread(eng, tiny_llama_path) as url, \
+                httpx.Client(base_url=url, timeout=60) as client:
+            long = "import os\n" * 40  # well past 64 tokens, inside the 2048-token context
+            for path, body, field in (
+                    ("/generate", {"text": long, "stream": True}, "text"),
+                    ("/v1/completions", {"model": MODEL_NAME, "prompt": long, "stream": True},
+                     "prompt"),
+                    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [
+                        {"role": "user", "content": long}]}, "messages")):
+                r = client.post(path, json=body)
+                assert r.status_code == 400, (path, r.text)
+                err = r.json() if path.startswith("/v1/") else r.json()["error"]
+                assert err["param"] == field and "the KV cache holds 64" in err["message"]
+            r = client.post("/generate", json={"text": "short", "sampling_params": {
+                "max_new_tokens": 2}})
+            assert r.status_code == 200
+        assert eng.check_invariant() == 0
+    finally:
+        eng.shutdown()
