@@ -108,6 +108,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: which call it answers
+    function_call: Any = None  # OpenAI's deprecated form of tool_calls: a 400, never dropped
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -122,6 +123,9 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool | None = False  # SGLang's: continue the final assistant message
     add_generation_prompt: bool | None = None  # vLLM's; None: true unless continuing
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables
+    # OpenAI's deprecated forms of tools and tool_choice: a 400, never silently dropped
+    functions: Any = None
+    function_call: Any = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,9 +295,23 @@ def tool_plan(body, parser_name: str | None) -> ToolPlan:
     return plan
 
 
+def _check_legacy_functions(body: ChatCompletionRequest) -> None:
+    """OpenAI's deprecated function-calling fields are refused: ignored, the model would not
+    see the functions (or an earlier call) and the client would wait for a function_call."""
+    for name, new in (("functions", "tools"), ("function_call", "tool_choice")):
+        if getattr(body, name) is not None:
+            raise bad_request(f"{name}: deprecated by OpenAI and not supported; use {new}",
+                              param=name)
+    for i, m in enumerate(body.messages):
+        if m.function_call is not None:
+            raise bad_request(f"messages[{i}].function_call: deprecated by OpenAI and not "
+                              "supported; use tool_calls", param=f"messages[{i}].function_call")
+
+
 def chat_requests(body: ChatCompletionRequest, ctx: ServingContext
                   ) -> tuple[GenerateRequest, list[GenerateRequest], ToolPlan]:
     _check_request(body)
+    _check_legacy_functions(body)
     _check_max(body.max_tokens, "max_tokens")
     _check_max(body.max_completion_tokens, "max_completion_tokens")
     if body.top_logprobs is not None:
@@ -313,10 +331,13 @@ def chat_requests(body: ChatCompletionRequest, ctx: ServingContext
         if sp.regex is not None or sp.json_schema is not None or sp.ebnf is not None:
             raise bad_request("tool_choice: a forced call cannot be combined with regex, "
                               "json_schema, ebnf or response_format", param="tool_choice")
-        if sp.stop or sp.stop_regex:  # a stop inside the call's JSON would cut it to text
-            raise bad_request("tool_choice: a forced call cannot be combined with stop or "
-                              "stop_regex", param="tool_choice")
+        if sp.stop or sp.stop_regex or sp.stop_token_ids:
+            # a stop inside the call's JSON would cut it to text
+            raise bad_request("tool_choice: a forced call cannot be combined with stop, "
+                              "stop_regex or stop_token_ids", param="tool_choice")
         sp = replace(sp, ebnf=plan.forced_ebnf)
+    if plan.parser is not None:  # the parser reads the call tags, special tokens to some
+        sp = replace(sp, skip_special_tokens=False)  # tokenizers (Hermes checkpoints)
     check_sampling_params(sp, ctx.vocab_size, names)
     check_lengths(len(ids), max_tokens, ctx.context_len, "messages", names["max_new_tokens"],
                   ctx.pool_tokens)

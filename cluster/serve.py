@@ -116,6 +116,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="data-parallel replicas behind the router")
     g.add_argument("--ray-address", default=None,
                    help="Ray cluster to join (e.g. auto); None: start a local Ray")
+    g.add_argument("--ray-dashboard-port", type=int, default=None,
+                   help="start the local Ray's dashboard on this port of 127.0.0.1 (for `ray "
+                        "list`, `ray status` and the web view; it can run jobs, so it never "
+                        "listens beyond loopback); None: no dashboard, a quicker start. A "
+                        "cluster joined with --ray-address has its own")
     g.add_argument("--ray-namespace", default="radixray",
                    help="Ray namespace of this deployment's replicas (the router discovers "
                         "them there); give each serve on one Ray cluster its own")
@@ -202,6 +207,13 @@ def router_command(args: argparse.Namespace, urls: list[str], discovery: list[st
             *discovery]
 
 
+def ray_dashboard_args(port: int | None) -> dict:
+    """ray.init's dashboard arguments: none, or one on loopback (a dashboard runs jobs)."""
+    if port is None:
+        return {"include_dashboard": False}
+    return {"include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": port}
+
+
 def discovery_args(ray, namespace: str) -> list[str]:
     """The router's flags to watch this driver's Ray cluster for the replicas in ``namespace``;
     none when its GCS address is not known here (a Ray Client connection): the router then
@@ -247,6 +259,9 @@ def run_serve(args: argparse.Namespace) -> int:
                 raise ValueError(f"{name}: must be >= 1")
         if not 0 <= args.placement_timeout < math.inf:
             raise ValueError("placement_timeout: must be a number of seconds >= 0 (0: no limit)")
+        if args.ray_dashboard_port is not None and args.ray_address is not None:
+            raise ValueError("ray_dashboard_port: only for the local Ray serve starts; the "
+                             "cluster at --ray-address has its own dashboard")
     except ValueError as e:
         print(f"radixray serve: error: {e}", file=sys.stderr)
         return 2
@@ -273,7 +288,7 @@ def run_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     try:
         ray.init(address=args.ray_address or "local", namespace=args.ray_namespace,
-                 include_dashboard=False, log_to_driver=False)
+                 log_to_driver=False, **ray_dashboard_args(args.ray_dashboard_port))
         signal.signal(signal.SIGTERM, stop)  # again: ray.init installs its own
         gpus = ray.cluster_resources().get("GPU", 0)
         server_args["device"] = resolve_device(args.device, gpus)

@@ -36,7 +36,8 @@ class ToolCall:
 
     def to_openai(self, index: int | None = None) -> dict:
         call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
+                "function": {"name": self.name,  # the model's characters, not \u escapes
+                             "arguments": json.dumps(self.arguments, ensure_ascii=False)}}
         return call if index is None else {"index": index, **call}
 
 
@@ -102,25 +103,43 @@ def _rebase_refs(node, home: str):
 
 class HermesParser(ToolCallParser):
     START, END = "<tool_call>", "</tool_call>"
-    _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+    def _blocks(self, text: str):
+        """(start, end, decoded JSON or None) of each ``<tool_call>`` block. The JSON is read
+        by a decoder, not up to the first end tag: a string argument may hold "</tool_call>"."""
+        decoder, pos = json.JSONDecoder(), 0
+        while (start := text.find(self.START, pos)) >= 0:
+            inner, obj, end = start + len(self.START), None, -1
+            try:
+                obj, after = decoder.raw_decode(text, _skip_space(text, inner))
+                after = _skip_space(text, after)
+                if text.startswith(self.END, after):
+                    end = after + len(self.END)
+            except (ValueError, RecursionError):  # not JSON, or nested too deep
+                pass
+            if end < 0:  # no JSON object right up to an end tag: not a call; skip the block
+                obj, close = None, text.find(self.END, inner)
+                if close < 0:
+                    return
+                end = close + len(self.END)
+            yield start, end, obj
+            pos = end
 
     def parse(self, text, names):
-        """Content is the text around the calls: before the first (as streamed), and any
-        text after or between them, including blocks that are not calls of offered tools."""
+        """Content is the text around the calls: before the first (as streamed, leading
+        newlines included), and any text after or between them, including blocks that are
+        not calls of offered tools."""
         calls, pieces, pos = [], [], 0
-        for block in self._BLOCK.finditer(text):
-            try:
-                call = _call(json.loads(block.group(1)), names, "arguments")
-            except (ValueError, RecursionError):  # not JSON, or nested too deep
-                call = None
+        for start, end, obj in self._blocks(text):
+            call = _call(obj, names, "arguments")
             if call is not None:
                 calls.append(call)
-                pieces.append(text[pos:block.start()])
-                pos = block.end()
+                pieces.append(text[pos:start])
+                pos = end
         if not calls:
             return text, []
         rest = [p.strip() for p in pieces[1:] + [text[pos:]]]
-        return "\n".join([pieces[0].rstrip(), *(p for p in rest if p)]).strip("\n"), calls
+        return "\n".join(p for p in [pieces[0].rstrip(), *rest] if p), calls
 
     def content_end(self, text):
         start = text.find(self.START)
@@ -131,6 +150,12 @@ class HermesParser(ToolCallParser):
 
     def forced_grammar(self, tools):
         return _forced(self.START + "\n", tools, "arguments", "\n" + self.END)
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
 
 
 class Llama3JsonParser(ToolCallParser):
@@ -270,6 +295,10 @@ def plan_tools(tools: list[dict] | None, tool_choice, parser_name: str | None) -
     for i, name in enumerate(names):
         if not _NAME.match(name):
             raise ValueError(f"tools[{i}].function.name: must be 1-64 letters, digits, _ or -")
+        schema_type = (tools[i]["function"].get("parameters") or ANY_OBJECT).get("type")
+        if schema_type not in (None, "object"):  # a call's arguments are a JSON object
+            raise ValueError(f"tools[{i}].function.parameters: must be a JSON schema of an "
+                             f"object (type \"object\"), got type {schema_type!r}")
     if len(set(names)) < len(names):
         raise ValueError("tools: function names must be unique")
     if tool_choice == "none":

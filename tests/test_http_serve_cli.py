@@ -42,15 +42,19 @@ def test_bad_flag_value_names_it(tiny_llama_path):
                         tiny_llama_path, "--page-size", "0", "--port", str(free_port())],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "page_size" in r.stderr
+    r = _serve(["--model", tiny_llama_path, "--ray-address", "auto", "--ray-dashboard-port",
+                "8265", "--port", str(free_port())])
+    assert r.returncode == 2 and "ray_dashboard_port: only for the local Ray" in r.stderr
 
 
 def test_serve_without_model_uses_the_default_model(tiny_llama_path, tmp_path):
-    port = free_port()
+    port, dashboard = free_port(), free_port()
     # the default model's folder already holds weights, so serve uses it as is
     env = {**os.environ, "RADIXRAY_MODEL_DIR": tiny_llama_path}
     proc = subprocess.Popen(
         [sys.executable, "-m", "radixray.cluster.cli", "serve", "--port", str(port),
-         "--schedule-policy", "lpm", "--max-total-tokens", "4096", "--debug-invariants"],
+         "--schedule-policy", "lpm", "--max-total-tokens", "4096", "--debug-invariants",
+         "--ray-dashboard-port", str(dashboard)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -86,13 +90,18 @@ def test_serve_without_model_uses_the_default_model(tiny_llama_path, tmp_path):
         while httpx.get(url + "/workers", timeout=10).json()["workers"][0]["source"] != "ray":
             assert time.monotonic() < deadline + 30, "Ray discovery never found the replica"
             time.sleep(0.5)
+        # --ray-dashboard-port: `ray list` sees the replica (without a dashboard it could not)
+        listed = subprocess.run(["ray", "list", "actors", "--address",
+                                 f"http://127.0.0.1:{dashboard}"], capture_output=True,
+                                text=True, timeout=60)
+        assert listed.returncode == 0 and "ReplicaServer" in listed.stdout, listed
         # --debug-invariants checked the memory invariant after every step; a violation
         # would have failed the engine and with it the health check
         assert httpx.get(url + "/health", timeout=10).status_code == 200
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
-            code = proc.wait(30)
+            code = proc.wait(60)  # Ray stops its dashboard too
         finally:
             proc.kill()
     assert code == 0

@@ -38,6 +38,14 @@ NAMES = {"get_weather", "get_time"}
      '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', [("get_time", {})]),
     ('<tool_call>{"name": "get_time", "arguments": {</tool_call>', None, []),  # bad JSON
     ("just text, <tool_ no call", None, []),
+    # the end tag inside a string argument: the call was lost to raw text
+    ('<tool_call>{"name": "get_time", "arguments": {"zone": "</tool_call>"}}</tool_call>', "",
+     [("get_time", {"zone": "</tool_call>"})]),
+    # leading newlines stay, as the stream already sent them
+    ('\n\nSure thing.\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+     "\n\nSure thing.", [("get_time", {})]),
+    ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\nafter', "after",
+     [("get_time", {})]),
 ])
 def test_hermes_parser(text, content, calls):
     got_content, got = HermesParser().parse(text, NAMES)
@@ -63,6 +71,8 @@ def test_llama3_parser(text, calls):
                      '"arguments": {"zone": "UTC"}}\n</tool_call>'),
     (HermesParser(), "No call here, only a <tool_ that never completes."),
     (HermesParser(), 'Hi <tool_call>{"name": "get_time", "arguments": {}}</tool_call> bye'),
+    (HermesParser(), '\n\nSure thing.\n<tool_call>{"name": "get_time", "arguments": '
+                     '{"zone": "</tool_call>"}}</tool_call>'),
     (Llama3JsonParser(), '  {"name": "get_time", "parameters": {"zone": "UTC"}}'),
     (Llama3JsonParser(), "Plain answer {with braces}."),
 ])
@@ -83,9 +93,16 @@ def test_streamed_content_never_includes_call_text(parser, text):
     ([{"type": "function", "function": {"name": "bad name"}}], "auto", None,
      "tools[0].function.name"),
     ([WEATHER], "required", None, "tool_choice: forcing a call needs"),
+    # arguments are an object: an array schema was accepted and its call came back as text
+    ([WEATHER, {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "array"}}}], "auto", "qwen25",
+     "tools[1].function.parameters: must be a JSON schema of an object"),
     ([WEATHER], {"type": "function", "function": {"name": "get_time"}}, "qwen25",
      "tool_choice.function.name: 'get_time' is not among the tools"),
     ([{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+     "required", "qwen25", "tools[0].function.parameters: must be a JSON schema of an object"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "nope"}}}}}],
      "required", "qwen25", "tools: a function's parameters"),
     ([{"type": "function", "function": {"name": "f", "parameters": {  # can never finish
         "type": "object", "required": ["n"], "properties": {"n": {"$ref": "#"}}}}}],
@@ -215,6 +232,14 @@ def test_tools_reach_the_template_and_a_conversation_with_calls_renders(server, 
       "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
      "tool_choice: a forced call cannot be combined with stop"),
     ({"tools": [{"type": "retrieval"}]}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "required", "stop_token_ids": [5]},
+     "tool_choice: a forced call cannot be combined with stop, stop_regex or stop_token_ids"),
+    # OpenAI's deprecated function calling was silently ignored
+    ({"functions": [WEATHER["function"]]}, "functions: deprecated by OpenAI"),
+    ({"function_call": "auto"}, "function_call: deprecated by OpenAI"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None,
+                    "function_call": {"name": "get_time", "arguments": "{}"}}]},
+     "messages[1].function_call: deprecated by OpenAI"),
 ])
 def test_bad_tool_requests_are_400s(server, engine, body, error):
     r = chat(server, **body)
@@ -237,6 +262,32 @@ def test_the_openai_client_reads_the_calls(server, engine):
     assert [c.function.arguments for calls in streamed for c in calls] == \
         [call.function.arguments]
     wait_idle(engine)
+
+
+def test_call_arguments_keep_their_characters():
+    """They were re-serialised with \\u escapes ("Z\\u00fcrich")."""
+    call = ToolCall("get_time", {"zone": "Zürich 東京"}).to_openai()
+    assert call["function"]["arguments"] == '{"zone": "Zürich 東京"}'
+
+
+def test_a_parser_reads_call_tags_a_tokenizer_marks_special(tiny_llama_path):
+    """skip_special_tokens (the default) stripped the tags of tokenizers that register
+    <tool_call> as a special token (some Hermes checkpoints), so no call was ever parsed."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from radixray.cluster.openai_api import ChatCompletionRequest, chat_requests
+
+    ctx = SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(tiny_llama_path),
+                          context_len=2048, vocab_size=2048, pool_tokens=None,
+                          tool_call_parser="qwen25")
+    messages = [{"role": "user", "content": "time?"}]
+    for tools, keeps in ((None, False), ([TIME], True)):
+        body = ChatCompletionRequest.model_validate(
+            {"model": MODEL_NAME, "messages": messages, "max_tokens": 4, "tools": tools})
+        req, _, _ = chat_requests(body, ctx)
+        assert req.sampling_params.skip_special_tokens is not keeps
 
 
 def test_json_nested_too_deep_is_no_call_and_no_crash():
