@@ -15,3 +15,7 @@ def __getattr__(name):
 
         return Engine
     raise AttributeError(f"module 'radixray' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), "Engine"])

@@ -12,6 +12,7 @@ SGLang's ``/generate`` response. Server arguments take SGLang's names.
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -112,16 +113,24 @@ class Engine:
 
         from ..worker.model_runner import ModelRunner, RunnerConfig
 
+        import torch
+
         sched_args, runner_args = split_server_args(server_args)
         if runner_args["device"] == "auto":  # resolved here, so server_info shows the choice
-            import torch
-
             runner_args["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+        elif runner_args["device"].startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device: {runner_args['device']!r}, but torch sees no GPU here")
         self.config = SchedulerConfig(**sched_args)  # validates before the model loads
         if model_path is None:
             from ..worker.make_model import ensure_default_model
 
             model_path = ensure_default_model()
+        for name, path in (("model_path", model_path),
+                           ("tokenizer_path", runner_args["tokenizer_path"])):
+            # a folder: no model hub is asked (a typo retried an unreachable hub for ~50 s)
+            if path is not None and not os.path.isdir(path):
+                raise ValueError(f"{name}: {path!r} is not a folder (an HF model folder with "
+                                 "config.json and safetensors weights)")
         self.model_path = model_path
         self.server_args = {**runner_args, **{k: getattr(self.config, k)
                                               for k in SchedulerConfig.field_names()}}
@@ -154,20 +163,23 @@ class Engine:
                          tokenizer=self.tokenizer)
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompt=None, input_ids=None, sampling_params=None,
-                 return_logprob=False, logprob_start_len=-1, top_logprobs_num=0,
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, *,
+                 return_logprob=False, logprob_start_len=None, top_logprobs_num=None,
                  return_text_in_logprobs=False, rid=None, priority=None, routing_key=None,
                  extra_key=None):
         """Generate for one prompt (returns a dict) or a list (returns a list, input order).
 
         ``prompt`` is text, ``input_ids`` token ids (one list or a list of lists); exactly one
         of them. ``sampling_params`` is a dict (shared) or one dict per prompt, with SGLang's
-        keys. The other per-request arguments take one value or a list. With ``n > 1`` each
-        prompt's samples follow each other in the result.
+        keys. The first three go in SGLang's order (``generate(prompt, sampling_params)``),
+        the rest by keyword; each takes one value or a list, None meaning its default (a
+        logprob_start_len of -1: the last prompt token only). With ``n > 1`` each prompt's
+        samples follow each other in the result.
         """
         if self.scheduler is None:  # before anything reads the model config it dropped
             raise RuntimeError("the engine has been shut down")
         single, ids = self._token_ids(prompt, input_ids)
+        prompt_field = "prompt" if prompt is not None else "input_ids"
         count = len(ids)
         raw_params = _per_request(sampling_params, count, "sampling_params", dict)
         params = [SamplingParams.from_dict(p) for p in raw_params]
@@ -180,12 +192,14 @@ class Engine:
         reqs, warmups = [], {}  # warmups: copy rid -> its prompt's warm-up (n > 1)
         for i in range(count):
             params[i].verify(self.runner.model_config.vocab_size)
-            self._check_length(len(ids[i]), raw_params[i], params[i])
+            self._check_length(len(ids[i]), raw_params[i], params[i], prompt_field)
             base, sp = per["rid"][i] or uuid.uuid4().hex, params[i]
             if isinstance(rid, str) and not single:  # one rid for a batch: rid-0, rid-1, ...
                 base = f"{rid}-{i}"
             start = _logprob_start(per["return_logprob"][i], per["logprob_start_len"][i],
                                    len(ids[i]))
+            top_n = per["top_logprobs_num"][i]
+            top_n = 0 if top_n is None else top_n
             if sp.n > 1:  # as the HTTP API: the prompt is computed once, then its copies run
                 warm = Req(f"{base}-prefill-{uuid.uuid4().hex[:8]}", ids[i],
                            replace(sp, n=1, max_new_tokens=0, min_new_tokens=0),
@@ -201,7 +215,7 @@ class Engine:
                     base if sp.n == 1 else f"{base}-{k}", ids[i], copy,
                     return_logprob=per["return_logprob"][i],
                     logprob_start_len=start,
-                    top_logprobs_num=per["top_logprobs_num"][i], priority=per["priority"][i],
+                    top_logprobs_num=top_n, priority=per["priority"][i],
                     routing_key=per["routing_key"][i], extra_key=per["extra_key"][i]))
         collected = self._run(list({id(w): w for w in warmups.values()}.values()), reqs)
         for r in reqs:  # a copy reports its prompt's real hit and arrival: the warm-up's
@@ -211,9 +225,18 @@ class Engine:
         results = [self._result(r, collected[r.rid], return_text_in_logprobs) for r in reqs]
         return results[0] if single and len(results) == 1 else results
 
-    def _check_length(self, prompt_len: int, raw: dict | None, sp: SamplingParams) -> None:
-        """As the HTTP API (and SGLang): a max_new_tokens the caller set must fit the context
-        after the prompt; the default is cut short at the context's end instead."""
+    def _check_length(self, prompt_len: int, raw: dict | None, sp: SamplingParams,
+                      prompt_field: str) -> None:
+        """As the HTTP API (and SGLang): the prompt must fit the context and the KV cache, and
+        a max_new_tokens the caller set must fit the context after the prompt; the default is
+        cut short at the context's end instead."""
+        context, pool = self.scheduler.max_context_len, self.scheduler.cache.pool_size
+        if prompt_len >= context:
+            raise ValueError(f"{prompt_field}: the prompt has {prompt_len} tokens; the model's "
+                             f"context length is {context}")
+        if prompt_len + 1 > pool:
+            raise ValueError(f"{prompt_field}: the prompt has {prompt_len} tokens; the KV "
+                             f"cache holds {pool}")
         if (raw or {}).get("max_new_tokens") is not None:
             overflow = context_overflow(prompt_len, sp.max_new_tokens,
                                         self.scheduler.max_context_len, "max_new_tokens")
@@ -231,6 +254,12 @@ class Engine:
                 raise ValueError("prompt: must be a string or a non-empty list of strings")
             if "" in texts:  # as the HTTP API: not a generation from BOS alone
                 raise ValueError("prompt: the prompt is empty")
+            for t in texts:  # the tokenizer's own error (a TypeError) names nothing
+                try:
+                    t.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise ValueError(f"prompt: not valid Unicode text (a lone surrogate at "
+                                     f"character {e.start})") from None
             return single, [self.tokenizer.encode(t) for t in texts]
         if not isinstance(input_ids, (list, tuple)) or not input_ids:
             raise ValueError("input_ids: must be a non-empty list of token ids or of lists")
@@ -332,11 +361,13 @@ class Engine:
             return self.scheduler.flush_cache()
 
     def shutdown(self) -> None:
-        """Drop the model and the scheduler; the engine cannot be used afterwards."""
-        if self.scheduler is not None and self.scheduler.grammars is not None:
-            self.scheduler.grammars.backend.shutdown()
-        self.scheduler = None
-        self.runner = None
+        """Drop the model and the scheduler; the engine cannot be used afterwards. Waits for a
+        generate call running in another thread to finish."""
+        with self._lock:
+            if self.scheduler is not None and self.scheduler.grammars is not None:
+                self.scheduler.grammars.backend.shutdown()
+            self.scheduler = None
+            self.runner = None
 
     def __enter__(self) -> "Engine":
         return self
@@ -369,7 +400,7 @@ def _logprob_start(return_logprob: bool, start: int, prompt_len: int) -> int:
     without logprobs the value is ignored."""
     if not return_logprob:
         return -1
-    if start == -1:
+    if start is None or start == -1:
         return prompt_len - 1
     if not 0 <= start < prompt_len:
         raise ValueError(f"logprob_start_len: must be -1 or in [0, {prompt_len}), got {start}")

@@ -24,18 +24,6 @@ def check_sampling_params(sp: SamplingParams, vocab_size: int | None,
         if sp.seed is not None and not MIN_SEED <= sp.seed <= MAX_SEED:
             # the sampler mixes seeds as 64 bits: a wider one would alias a narrower one
             raise ValueError(f"seed: must be in [{MIN_SEED}, {MAX_SEED}] (64 bits)")
-        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
-                     "no_stop_trim"):
-            if not isinstance(getattr(sp, name), bool):
-                raise ValueError(f"{name}: must be true or false")
-        for name in ("regex", "json_schema", "ebnf"):
-            if getattr(sp, name) is not None and not isinstance(getattr(sp, name), str):
-                raise ValueError(f"{name}: must be a string")
-        for name in ("stop", "stop_regex", "regex", "json_schema", "ebnf"):
-            value = getattr(sp, name)
-            for text in [value] if isinstance(value, str) else value or ():
-                if isinstance(text, str) and _surrogate_at(text) is not None:
-                    raise ValueError(f"{name}: not valid Unicode text (a lone surrogate)")
         if isinstance(sp.json_schema, str):
             try:
                 json.loads(sp.json_schema)

@@ -99,6 +99,8 @@ def test_a_max_new_tokens_past_the_context_does_not_serialise_the_batch():
     ({"context_length": 4096}, "context_length: 4096 exceeds the model's"),
     ({"mem_fraction_static": 2.0}, "mem_fraction_static: must be in"),
     ({"device": "tpu"}, "device: 'tpu'; use cpu, cuda"),
+    ({"tokenizer_path": "/no/such/tokenizer"}, "tokenizer_path: '/no/such/tokenizer' is not a "
+                                               "folder"),
 ])
 def test_runner_arguments_are_checked_by_name(tiny_llama_path, args, message):
     """They were a torch RuntimeError or TypeError naming nothing, or silently accepted."""
@@ -110,11 +112,68 @@ def test_runner_arguments_are_checked_by_name(tiny_llama_path, args, message):
     ({"prompt": "a", "sampling_params": "x"}, "sampling_params: must be a dict"),
     ({"prompt": ["a", "b"], "sampling_params": [1, 2]}, "sampling_params: must be a dict"),
     ({"input_ids": [[1, 2], 3]}, "input_ids: a batch must be a list of lists"),
+    # HTTP's type checks, now the Engine's too: "false" read as true, "no" crashed the tokenizer
+    ({"prompt": "a", "sampling_params": {"ignore_eos": "false"}}, "ignore_eos: must be true"),
+    ({"prompt": "a", "sampling_params": {"skip_special_tokens": "no"}},
+     "skip_special_tokens: must be true"),
+    ({"prompt": "a", "sampling_params": {"stop": ["\ud800"]}}, "stop: not valid Unicode"),
+    ({"prompt": "a\udfff"}, "prompt: not valid Unicode text"),
+    ({"prompt": "import os\n" * 600}, "prompt: the prompt has"),  # it said input_ids
+    ({"prompt": "import os\n" * 450}, "prompt: the prompt has .* the KV cache holds 1024"),
+    ({"prompt": "import os\n" * 600, "sampling_params": {"max_new_tokens": 4}},
+     "prompt: the prompt has"),  # it blamed max_new_tokens
 ])
 def test_malformed_generate_arguments_are_value_errors_naming_them(engine, kwargs, message):
     with pytest.raises(ValueError, match=f"^{message}"):
         engine.generate(**kwargs)
     assert_clean(engine)
+
+
+def test_sglangs_calling_convention_and_none_defaults(engine):
+    """generate(prompt, sampling_params) positionally, as SGLang's and vLLM's engines take it
+    (the second parameter was input_ids), and SGLang's None defaults for the logprob fields."""
+    alone = engine.generate(prompt="def f(x):", sampling_params=GREEDY)
+    assert engine.generate("def f(x):", GREEDY)["output_ids"] == alone["output_ids"]
+    out = engine.generate("def f(x):", GREEDY, return_logprob=True, logprob_start_len=None,
+                          top_logprobs_num=None)
+    assert out["output_ids"] == alone["output_ids"]
+    assert len(out["meta_info"]["input_token_logprobs"]) == 1  # the last prompt token only
+    assert "output_top_logprobs" not in out["meta_info"]
+    assert "Engine" in dir(__import__("radixray"))
+    assert_clean(engine)
+
+
+def test_a_missing_model_folder_fails_at_once():
+    """A typo retried the (unreachable) model hub for ~50 s before failing."""
+    import time
+
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="^model_path: '/no/such/model' is not a folder"):
+        Engine("/no/such/model")
+    assert time.monotonic() - started < 10
+
+
+def test_shutdown_waits_for_a_generate_in_another_thread(tiny_llama_path):
+    """It dropped the scheduler under the running call: AttributeError on None."""
+    eng = Engine(tiny_llama_path, max_total_tokens=1024)
+    result = {}
+
+    def long_call():
+        try:
+            result["out"] = eng.generate("x", {"max_new_tokens": 300, "ignore_eos": True})
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            result["error"] = e
+
+    thread = threading.Thread(target=long_call)
+    thread.start()
+    while eng.scheduler is not None and not eng.scheduler.live:
+        pass  # until the call has queued its request
+    eng.shutdown()
+    thread.join(60)
+    assert "error" not in result, result
+    assert result["out"]["meta_info"]["completion_tokens"] == 300
+    with pytest.raises(RuntimeError, match="shut down"):
+        eng.generate("x")
 
 
 def test_flush_after_shutdown_says_so(tiny_llama_path):

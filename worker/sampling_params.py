@@ -135,6 +135,17 @@ class SamplingParams:
         check(isinstance(self.stop_regex, list)
               and all(isinstance(s, str) for s in self.stop_regex),
               "stop_regex", "must be a string or a list of strings")
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                     "no_stop_trim"):  # "false" would read as true, "no" crash the tokenizer
+            check(isinstance(getattr(self, name), bool), name, "must be true or false")
+        for name in ("regex", "json_schema", "ebnf"):
+            value = getattr(self, name)
+            check(value is None or isinstance(value, str), name, "must be a string")
+        for name in ("stop", "stop_regex", "regex", "json_schema", "ebnf"):
+            value = getattr(self, name)
+            for text in [value] if isinstance(value, str) else value or ():
+                # JSON may escape a lone UTF-16 surrogate; no tokenizer or regex engine takes it
+                check(_encodable(text), name, "not valid Unicode text (a lone surrogate)")
         for pattern in self.stop_regex:
             _check_stop_regex(pattern)
         check(self.seed is None or is_int(self.seed), "seed", "must be an integer")
@@ -149,6 +160,14 @@ class SamplingParams:
                   f"token ids must be < vocab size {vocab_size}")
             check(all(0 <= t < vocab_size for t in (self.logit_bias or {})), "logit_bias",
                   f"token ids must be in [0, {vocab_size})")
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_stop_regex(pattern: str) -> None:
