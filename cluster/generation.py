@@ -19,6 +19,7 @@ from typing import AsyncIterator
 
 from ..router.config import ERROR_TYPES, RESTARTING_HEADER
 from ..router.disconnect import until_disconnect as await_unless_disconnected
+from ..scheduler.stop import StopRegexTooSlow
 from .detokenizer import IncrementalDetokenizer
 from .engine_protocol import EngineClient, GenerateRequest, TokenOutput
 
@@ -307,7 +308,10 @@ async def run_request(ctx: ServingContext, req: GenerateRequest,
                 refused = True
                 raise unavailable(e) from None
             ctx.waiting.discard(req.rid)
-            state.apply(out)
+            try:
+                state.apply(out)
+            except StopRegexTooSlow as e:  # this request's own pattern: it alone ends
+                raise bad_request(str(e), param="stop_regex") from None
             if warmup is not None:
                 state.cached_tokens, state.host_cached_tokens = warmup.cached, warmup.host_cached
                 state.queue_time = warmup.queue_time

@@ -28,7 +28,7 @@ from ..router.config import CACHE_EPOCH_HEADER
 from . import native_api, openai_api, tokenize_api
 from .engine_protocol import HEALTH_CHECK_TIMEOUT_S, EngineClient
 from .generation import (APIError, ServingContext, abort_error, bad_request, new_rid,
-                         prepare_off_loop_if_large, until_disconnect)
+                         prepare_off_loop_if_large, unavailable, until_disconnect)
 from .metrics import COUNTERS, EXPOSITION_CONTENT_TYPE, GAUGES, EngineMetrics
 from .openai_serving import chat_completions, completions
 from .parallel_sampling import collect_states
@@ -237,7 +237,11 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def _flush():
-        if await engine.flush_cache():
+        try:
+            flushed = await engine.flush_cache()
+        except RuntimeError as e:  # restarting (a marked 503) or stopped: not a 500
+            raise unavailable(e) from None
+        if flushed:
             return PlainTextResponse("Cache flushed.")
         return PlainTextResponse("Cache not flushed: requests are running; retry when idle.",
                                  status_code=400)
@@ -251,6 +255,8 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
             raise bad_request(f"body: malformed JSON ({e})", param="body") from None
         if not isinstance(body, dict):
             raise bad_request("body: must be a JSON object", param="body")
+        if not isinstance(body.get("abort_all", False), bool):  # "false" is truthy
+            raise bad_request("abort_all: must be true or false", param="abort_all")
         if body.get("abort_all"):
             return {"aborted": await ctx.abort(abort_all=True)}
         if isinstance(body.get("rid"), str) and body["rid"]:

@@ -95,6 +95,8 @@ def build_requests(body: GenerateReqInput, ctx: ServingContext
                           param="token_ids_logprob")
     prompts, batch, prompt_field = _prompts(body, ctx)
     count = len(prompts)
+    for rid in [body.rid] if isinstance(body.rid, str) else body.rid or []:
+        check_text(rid, "rid")  # it names the request in every answer, so must encode
     base_rid = body.rid if isinstance(body.rid, str) else None
     firsts, copies = [], []
     for i, ids in enumerate(prompts):
@@ -122,8 +124,9 @@ def build_requests(body: GenerateReqInput, ctx: ServingContext
         if return_logprob and not 0 <= start < len(ids):  # (ignored without logprobs)
             raise bad_request(f"logprob_start_len: must be -1 or in [0, {len(ids)}) for a "
                               f"{len(ids)}-token prompt, got {start}", param="logprob_start_len")
-        if top_n < 0:
-            raise bad_request("top_logprobs_num: must be >= 0", param="top_logprobs_num")
+        if not 0 <= top_n <= ctx.vocab_size:  # a larger one stopped the engine (topk > vocab)
+            raise bad_request(f"top_logprobs_num: must be in [0, {ctx.vocab_size}] (the vocab "
+                              "size)", param="top_logprobs_num")
         if isinstance(body.rid, list):
             rid = _per_item(body.rid, i, count, "rid", None)
         else:

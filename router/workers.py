@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+import httpx
+
 from .circuit import CircuitBreaker
 from .config import RouterConfig
 
@@ -22,8 +24,14 @@ def normalize_url(url) -> str:
     if not isinstance(url, str) or not url.strip():
         raise ValueError(f"url: must be a non-empty string, got {url!r}")
     url = url.strip().rstrip("/")
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
+    try:
+        url.encode("ascii")  # a URL is ASCII (a lone surrogate broke every later /workers)
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+        httpx.URL(url)  # what the proxy and the health checks will use it with
+    except (ValueError, httpx.InvalidURL):
+        raise ValueError(f"url: not a usable http://host:port URL: {url!r}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"url: must look like http://host:port, got {url!r}")
     return url
 

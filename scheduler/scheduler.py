@@ -103,6 +103,9 @@ class Scheduler:
             raise ValueError("stop: stop strings need a tokenizer (decode) in the scheduler")
         if self.vocab_size is not None and max(req.origin_input_ids) >= self.vocab_size:
             raise ValueError(f"input_ids: token ids must be < vocab size {self.vocab_size}")
+        if self.vocab_size is not None and req.top_logprobs_num > self.vocab_size:
+            raise ValueError(f"top_logprobs_num: must be in [0, {self.vocab_size}] (the vocab "
+                             "size)")
         if req.prompt_len >= self.max_context_len:
             raise ValueError(f"input_ids: the prompt has {req.prompt_len} tokens; the context "
                              f"length is {self.max_context_len}")

@@ -38,6 +38,23 @@ Decode = Callable[..., str]
 STOP_REGEX_CONTEXT_TOKENS = 8
 REPLACEMENT_CHAR = "\ufffd"  # what a token ending inside a UTF-8 character decodes to
 _UNBOUNDED = 1 << 16  # a match width from here on counts as unbounded
+# A stop regex is searched at every token, on the engine's thread and on the HTTP event loop:
+# one whose search backtracks for longer than this ends its request (400) rather than stall
+# every other request on the replica (a crafted one froze a replica for good).
+STOP_REGEX_TIMEOUT_S = 0.2
+
+
+class StopRegexTooSlow(ValueError):
+    """A stop regex's search ran past STOP_REGEX_TIMEOUT_S; the message names the field."""
+
+
+def _search(pattern: str, text: str, pos: int, partial: bool = False):
+    try:
+        return compile_stop_regex(pattern).search(text, pos, partial=partial,
+                                                  timeout=STOP_REGEX_TIMEOUT_S)
+    except TimeoutError:
+        raise StopRegexTooSlow(f"stop_regex: {pattern!r} took over {STOP_REGEX_TIMEOUT_S:g} s "
+                               "to search this output; use a simpler pattern") from None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -65,7 +82,7 @@ def find_stop(text: str, start: int, stop: Iterable[str],
         if pos >= 0 and (best is None or pos < best[0]):
             best = (pos, pos + len(s), s)
     for pattern in stop_regex:
-        m = compile_stop_regex(pattern).search(text, start)
+        m = _search(pattern, text, start)
         if m is not None and (best is None or m.start() < best[0]):
             best = (m.start(), m.end(), pattern)
     return best
@@ -76,7 +93,7 @@ def regex_holdback(text: str, start: int, stop_regex: Iterable[str]) -> int:
     (its partial match: the ``regex`` module's ``partial=True``), so must not be released."""
     longest = 0
     for pattern in stop_regex:
-        m = compile_stop_regex(pattern).search(text, start, partial=True)
+        m = _search(pattern, text, start, partial=True)
         if m is not None and m.partial:
             longest = max(longest, len(text) - m.start())
     return longest
@@ -100,6 +117,8 @@ class StopChecker:
         string that is not valid Unicode, say) end only their own request, with a 400."""
         try:
             return self._check(req)
+        except StopRegexTooSlow as e:
+            return FinishReason.abort(str(e), status_code=400)
         except Exception as e:  # noqa: BLE001 (any failure here is this request's own)
             log.exception("request %s: checking its stop conditions failed", req.rid)
             return FinishReason.abort(f"stop: cannot check this request's stop conditions "
@@ -146,7 +165,7 @@ class StopChecker:
         text = text.rstrip(REPLACEMENT_CHAR)
         pos = len(self._decode(out[start:len(out) - window], sp)) if len(out) > window else 0
         for p in sp.stop_regex:
-            if compile_stop_regex(p).search(text, pos):
+            if _search(p, text, pos):
                 return p
         return None
 

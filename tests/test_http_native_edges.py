@@ -4,6 +4,7 @@ Every test ends with the scheduler idle and its memory invariant holding."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -142,3 +143,46 @@ def test_a_prompt_the_kv_cache_cannot_hold_is_a_400_naming_the_clients_field(tin
         assert eng.check_invariant() == 0
     finally:
         eng.shutdown()
+
+
+def test_a_stop_regex_that_backtracks_for_ever_ends_only_its_own_request(client):
+    """It froze the replica's engine thread and event loop for good (even /health waited)."""
+    slow = {"text": "def f(x):", "sampling_params": {
+        "max_new_tokens": 60, "ignore_eos": True, "stop_regex": r"(.|.)+\d{6}"}}
+    for stream in (False, True):
+        started = time.monotonic()
+        r = client.post("/generate", json={**slow, "stream": stream})
+        assert time.monotonic() - started < 20
+        if stream:
+            assert r.status_code == 200 and "took over" in r.text and "stop_regex" in r.text
+        else:
+            assert r.status_code == 400 and r.json()["error"]["param"] == "stop_regex", r.text
+    r = client.post("/generate", json={"text": "def f(x):", "sampling_params": {
+        "max_new_tokens": 4, "stop_regex": r"\d{6}"}})
+    assert r.status_code == 200 and client.get("/health").status_code == 200
+
+
+def test_abort_all_and_rid_are_typed(client):
+    """{"abort_all": "false"} aborted every live request; a rid with a lone surrogate was a
+    500 after the generation had run (the router then ran it again on every replica)."""
+    r = client.post("/abort_request", json={"abort_all": "false"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "abort_all"
+    for rid in ("a\ud800", ["ok", "b\udfff"]):
+        body = {"text": ["x", "y"] if isinstance(rid, list) else "x", "rid": rid}
+        r = client.post("/generate", content=json.dumps(body),  # escaped, as JSON may
+                        headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "rid", r.text
+
+
+def test_top_logprobs_num_past_the_vocab_is_a_400(client, engine):
+    """It stopped the engine (topk past the vocab), and the router spread it to every replica."""
+    for top_n in (3000, 2 ** 70):
+        r = client.post("/generate", json={"text": "abc", "return_logprob": True,
+                                           "logprob_start_len": 0, "top_logprobs_num": top_n,
+                                           "sampling_params": {"max_new_tokens": 1}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs_num", r.text
+    r = client.post("/generate", json={"text": "abc", "return_logprob": True,
+                                       "logprob_start_len": 0, "top_logprobs_num": 2048,
+                                       "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 200  # the whole vocabulary is allowed
+    assert len(r.json()["meta_info"]["input_top_logprobs"][1]) == 2048

@@ -71,6 +71,8 @@ def test_a_replica_without_an_engine_sends_the_marker(tiny_llama_path, gate, rou
     assert r.status_code == 503 and "replica is restarting" in r.text
     assert is_restarting(r.status_code, r.headers)
     assert not is_restarting(client.get("/health").status_code, client.get("/health").headers)
+    flush = client.post("/flush_cache")  # was a 500 "internal error: EngineRestarting"
+    assert flush.status_code == 503 and is_restarting(flush.status_code, flush.headers)
 
 
 @pytest.mark.parametrize("route, body", [

@@ -265,7 +265,10 @@ def test_server_errors_reported_in_band(event, status):
 
 def test_normalize_url():
     assert normalize_url(" http://h:1/ ") == "http://h:1"
-    for bad in ("", "h:1", "ftp://h", None, 3):
+    # a port that is no number was accepted, then every request to it was a 500; a lone
+    # surrogate was stored and broke /workers and /metrics for good
+    for bad in ("", "h:1", "ftp://h", None, 3, "http://127.0.0.1:80x", "http://h\udc80:1",
+                "http://:80"):
         with pytest.raises(ValueError, match="^url"):
             normalize_url(bad)
 

@@ -72,10 +72,33 @@ def test_find_stop_takes_the_earliest_string_or_regex_and_partial_matches_hold_b
 
 
 @pytest.mark.parametrize("pattern,error", [("a(b", "not a valid regular expression"),
-                                           ("x*", "matches the empty string")])
+                                           ("x*", "matches the empty string"),
+                                           ("x" * 513, "at most 512 characters")])
 def test_bad_patterns_are_rejected_naming_the_field(pattern, error):
     with pytest.raises(ValueError, match=f"^stop_regex: .*{error}"):
         SamplingParams(stop_regex=[pattern]).verify()
+
+
+def test_a_backtracking_pattern_ends_its_own_request_instead_of_stalling_the_replica():
+    """A search that backtracks for ever froze the engine's thread and the HTTP event loop
+    (only kill -9 ended it); now it gives up at STOP_REGEX_TIMEOUT_S and ends its request."""
+    import time
+
+    from radixray.scheduler.stop import STOP_REGEX_TIMEOUT_S, StopRegexTooSlow
+
+    pattern = r"(.|.)+\d{6}"
+    started = time.monotonic()
+    with pytest.raises(StopRegexTooSlow, match=r"^stop_regex: .* took over"):
+        regex_holdback("a" * 40 + "x", 0, [pattern])
+    with pytest.raises(StopRegexTooSlow):
+        find_stop("a" * 40 + "x", 0, [], [pattern])
+    checker = StopChecker(decode=lambda ids, **_: "a" * 40 + "x")
+    req = Req("r", [0], SamplingParams(max_new_tokens=100, stop_regex=[pattern]))
+    req.output_ids.append(1)
+    reason = checker.check(req).to_dict()
+    assert reason["type"] == "abort" and reason["status_code"] == 400
+    assert reason["message"].startswith("stop_regex: ")
+    assert time.monotonic() - started < 10 * STOP_REGEX_TIMEOUT_S
 
 
 # ---------------------------------------------------------------- multi-byte stops

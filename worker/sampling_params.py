@@ -170,13 +170,19 @@ def _encodable(text: str) -> bool:
     return True
 
 
+MAX_STOP_REGEX_CHARS = 512  # searched at every token: a long one stalled a whole replica
+
+
 def _check_stop_regex(pattern: str) -> None:
-    """A stop regex must compile (with the ``regex`` module the stop check uses) and must not
-    match the empty string, which would stop every output at its first token."""
+    """A stop regex must be short, compile (with the ``regex`` module the stop check uses) and
+    not match the empty string, which would stop every output at its first token."""
+    if len(pattern) > MAX_STOP_REGEX_CHARS:
+        raise ValueError(f"stop_regex: a pattern may have at most {MAX_STOP_REGEX_CHARS} "
+                         f"characters, got {len(pattern)}")
     try:
         compiled = regex.compile(pattern)
     except regex.error as e:
         raise ValueError(f"stop_regex: {pattern!r} is not a valid regular expression ({e})") \
             from None
-    if compiled.search("") is not None:
+    if compiled.search("", timeout=1.0) is not None:
         raise ValueError(f"stop_regex: {pattern!r} matches the empty string")
