@@ -60,6 +60,7 @@ class FakeWorker:
         self.api_key = api_key  # required by /get_server_info and /flush_cache when set
         self.fail_status: int | None = None
         self.stream_abort: dict | None = None
+        self.linger = 0.0  # seconds a stream stays open after its [DONE] (a slow close)
         self.health_status = 200
         self.restarting = False
         self.requests = 0  # generation requests received
@@ -220,6 +221,8 @@ class FakeWorker:
                         await asyncio.sleep(self.chunk_delay)
                     yield f"data: {json.dumps(event)}\n\n".encode()
                 yield b"data: [DONE]\n\n"
+                if self.linger:
+                    await asyncio.sleep(self.linger)
             except asyncio.CancelledError:
                 self.cancelled_streams += 1
                 raise

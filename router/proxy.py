@@ -333,6 +333,10 @@ class Proxy:
 
         async def settle() -> None:
             """Judge how the stream ended, and book it on the worker and the metrics."""
+            if state["outcome"] == "cut" and tail.done:
+                # the client hung up after the last event (SGLang's frontend closes at
+                # [DONE]) but before the upstream's end of stream: it got everything
+                state["outcome"] = "finished"
             if state["outcome"] == "finished":
                 try:
                     counts, failed = await self.offload.parse_answer(

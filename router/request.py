@@ -241,6 +241,7 @@ class SSETail:
         self._partial = b""
         self.last_events: dict[int | None, bytes] = {}
         self.size = 0  # bytes held in last_events
+        self.done = False  # the stream's closing "data: [DONE]" went by
 
     def feed(self, chunk: bytes) -> None:
         buf = self._partial + chunk
@@ -250,7 +251,10 @@ class SSETail:
             return
         complete, self._partial = buf[:end], buf[end + 2:]
         for event in complete.split(b"\n\n"):
-            if b"data:" not in event or event.strip() == b"data: [DONE]":
+            if event.strip() == b"data: [DONE]":
+                self.done = True
+                continue
+            if b"data:" not in event:
                 continue
             match = _INDEX_AT_END.search(event[-64:])
             key = int(match[1]) if match else None

@@ -58,6 +58,24 @@ def test_a_stream_aborted_for_the_clients_sake_is_no_failure(servers, reason):
     assert router.registry.get(urls[0]).served == 1
 
 
+def test_a_stream_the_client_closes_after_its_last_event_is_served_not_cut(servers):
+    """SGLang's frontend closes a stream once it reads [DONE]; when that beat the upstream's
+    end of stream, about half of the complete streams were booked as 499s (client gone),
+    their tokens and the worker's success never counted."""
+    fakes, urls = start_fakes(servers, 1)
+    client, router = start_router(servers, urls)
+    fakes[0].linger = 5.0
+    with client.stream("POST", "/generate", json={"text": "a prompt", "stream": True}) as r:
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                break  # and close, as the frontend does
+    assert wait_until(lambda: metric(
+        client, P + 'requests_total{route="/generate",status="200"}') == 1)
+    assert metric(client, P + 'requests_total{route="/generate",status="499"}') == 0
+    assert router.registry.get(urls[0]).served == 1
+    assert real_counts(client)[1] > 0
+
+
 @pytest.mark.parametrize("params", [{}, {"n": 3}])
 def test_every_prompt_of_a_batch_counts_once_streamed_or_not(servers, params):
     fakes, urls = start_fakes(servers, 1)
