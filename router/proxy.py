@@ -31,7 +31,7 @@ from .config import CACHE_EPOCH_HEADER, ERROR_TYPES, RouterConfig
 from .helper import HelperDied
 from .metrics import RouterMetrics
 from .policies import Policy, RequestInfo, least_loaded
-from .request import SSETail, answer_counts, stream_end
+from .request import SSETail, answer_facts, stream_end, stream_text
 from .retry import BREAKER_STATUS, RETRYABLE_STATUS, backoff_delay, is_restarting
 from .tree import ApproxRadixTree
 from .workers import Worker, WorkerRegistry
@@ -261,15 +261,27 @@ class Proxy:
         worker.breaker.record_success()
         if resp.status_code == 200:
             worker.served += 1
-            # Only the metrics need the counts: the client does not wait for them.
-            self.offload.book(len(resp.content), answer_counts, (resp.content, info.copies),
-                              self._record_real)
+            # Only the metrics and the tree need these: the client does not wait for them.
+            def learn(facts):
+                self._record_real(facts[0])
+                self._learn_answer(worker, route, info, facts[1])
+
+            self.offload.book(len(resp.content), answer_facts, (resp.content, info.copies),
+                              learn)
         on_done(resp.status_code)
         return answer, emptied
 
     def _record_real(self, counts: tuple[int, int] | None) -> None:
         if counts is not None:
             self.metrics.record_real(*counts)
+
+    def _learn_answer(self, worker: Worker, route: str, info, answer: str | None) -> None:
+        """The worker cached the answer after the prompt: a conversation's next turn (the
+        prompt, the answer, a new message) then matches it there, not only its first turn.
+        Chat text is the messages joined by newlines (request.py), so the answer joins so."""
+        if answer and info.text and worker.url in self.registry:
+            text = info.text + ("\n" if route == "/v1/chat/completions" else "") + answer
+            self.tree.insert(text, worker.url, worker.tree_limit)
 
     async def _send_stream(self, worker: Worker, route, raw, fwd, info, on_done):
         """As ``_send_once``; a stream whose first byte came is committed to this worker."""
@@ -286,7 +298,7 @@ class Proxy:
                 except StopAsyncIteration:
                     first = b""
                 emptied = self._observe_epoch(worker, resp)
-                return self._commit_stream(worker, resp, first, chunks, info,
+                return self._commit_stream(worker, route, resp, first, chunks, info,
                                            on_done), emptied
             body = await resp.aread()  # an error answer is small: read it whole
         except httpx.HTTPError as exc:
@@ -307,10 +319,10 @@ class Proxy:
         on_done(resp.status_code)
         return answer, emptied
 
-    def _commit_stream(self, worker: Worker, resp: httpx.Response, first: bytes, chunks, info,
-                       on_done) -> Response:
+    def _commit_stream(self, worker: Worker, route: str, resp: httpx.Response, first: bytes,
+                       chunks, info, on_done) -> Response:
         """Pass the rest of an upstream stream through; the cleanup settles the accounts."""
-        tail = SSETail()
+        tail = SSETail(keep_events=info.copies == 1 and bool(info.text))
         state = {"outcome": "cut"}  # finished | failed | cut (the client went away)
         # The 200 went out with the first byte; the books record how the stream ended.
         status_of = {"finished": 200, "failed": 502, "cut": 499}
@@ -348,6 +360,13 @@ class Proxy:
                     self.metrics.errors.labels(worker.url, "stream").inc()
                 else:
                     self._record_real(counts)
+                    if tail.events:
+                        try:
+                            answer = await self.offload.parse_answer(
+                                tail.events_size, stream_text, tail.events)
+                        except HelperDied:  # logged by the helper; the tree learns nothing
+                            answer = None
+                        self._learn_answer(worker, route, info, answer)
             outcome = state["outcome"]
             if outcome == "finished":
                 worker.breaker.record_success()

@@ -177,16 +177,62 @@ def prompt_counts(results: dict, copies: int | tuple[int, ...]) -> tuple[int, in
 
 def answer_counts(raw: bytes, copies: int | tuple[int, ...]) -> tuple[int, int] | None:
     """``prompt_counts`` of a whole JSON answer (one object, or a list for a batch or n > 1)."""
+    return answer_facts(raw, copies)[0]
+
+
+def answer_facts(raw: bytes, copies: int | tuple[int, ...]
+                 ) -> tuple[tuple[int, int] | None, str | None]:
+    """``answer_counts`` and ``answer_text`` of a whole JSON answer, parsed once."""
     try:
         obj = json.loads(raw)
     except (ValueError, RecursionError):
-        return None  # not JSON: nothing to learn about the cache
+        return None, None  # not JSON: nothing to learn about the cache
     if not isinstance(obj, list):
-        return prompt_counts({None: obj}, 1)
+        return prompt_counts({None: obj}, 1), answer_text(obj)
     fits = len(obj) % copies == 0 if isinstance(copies, int) else len(obj) == sum(copies)
     if not fits:
         copies = 1  # not the layout the request asked for: count what came
-    return prompt_counts(dict(enumerate(obj)), copies)
+    return prompt_counts(dict(enumerate(obj)), copies), None
+
+
+def answer_text(obj) -> str | None:
+    """The text one answer generated: native ``text``, a completion's ``choices[0].text``, a
+    chat reply's ``choices[0].message.content``; None for several choices or none. The engine
+    caches it after the prompt, so a conversation's next turn will start with both."""
+    if not isinstance(obj, dict):
+        return None
+    if isinstance(obj.get("meta_info"), dict):
+        text = obj.get("text")
+        return text if isinstance(text, str) else None
+    choices = obj.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        return None
+    message = choices[0].get("message")
+    text = message.get("content") if isinstance(message, dict) else choices[0].get("text")
+    return text if isinstance(text, str) else None
+
+
+def stream_text(events: list[bytes]) -> str | None:
+    """``answer_text`` of a whole stream of one answer (``SSETail.events``): a native stream's
+    events carry the text so far, an OpenAI stream's each carry a piece of it."""
+    payloads = [p for p in map(_event_json, events) if isinstance(p, dict)]
+    if not payloads:
+        return None
+    if isinstance(payloads[-1].get("meta_info"), dict):
+        return answer_text(payloads[-1])
+    pieces = []
+    for p in payloads:
+        choices = p.get("choices")
+        if not isinstance(choices, list):
+            return None
+        for choice in choices:
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                return None  # several choices
+            delta = choice.get("delta")
+            piece = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+            if isinstance(piece, str):
+                pieces.append(piece)
+    return "".join(pieces)
 
 
 def server_error(obj) -> int | None:
@@ -230,18 +276,23 @@ def _event_json(event: bytes):
 # it off the event's end keeps the bytes unparsed while they pass: parsing every event of every
 # stream would cost the router more than relaying it. An event where it is not last counts as
 # an answer without index (the stream is then judged by its last such event, as before).
+KEEP_EVENTS_BYTES = 1 << 20
 _INDEX_AT_END = re.compile(rb'"index"\s*:\s*(\d+)\s*\}\s*$')
 
 
 class SSETail:
     """Remembers the last ``data:`` event (other than [DONE]) of each answer in a stream, while
-    the bytes pass through untouched: one event per answer index, and the unfinished one."""
+    the bytes pass through untouched: one event per answer index, and the unfinished one.
+    With ``keep_events`` it also keeps every event (for ``stream_text``) until they pass
+    ``KEEP_EVENTS_BYTES``; then ``events`` is None."""
 
-    def __init__(self):
+    def __init__(self, keep_events: bool = False):
         self._partial = b""
         self.last_events: dict[int | None, bytes] = {}
         self.size = 0  # bytes held in last_events
         self.done = False  # the stream's closing "data: [DONE]" went by
+        self.events: list[bytes] | None = [] if keep_events else None
+        self.events_size = 0
 
     def feed(self, chunk: bytes) -> None:
         buf = self._partial + chunk
@@ -260,3 +311,8 @@ class SSETail:
             key = int(match[1]) if match else None
             self.size += len(event) - len(self.last_events.get(key, b""))
             self.last_events[key] = event
+            if self.events is not None:
+                self.events_size += len(event)
+                self.events.append(event)
+                if self.events_size > KEEP_EVENTS_BYTES:
+                    self.events = None  # too long an answer to learn; the prompt is known

@@ -3,6 +3,8 @@ a failure (bytes untouched), and the cache metrics count each prompt once, wheth
 is streamed, a batch or n copies, and only for answers that were served; a stream whose books
 cannot be settled still frees its admission slot."""
 
+import json
+
 import httpx
 import pytest
 
@@ -126,3 +128,45 @@ def test_a_stream_whose_end_cannot_be_read_still_frees_its_slot(servers, monkeyp
     assert wait_until(lambda: metric(
         client, P + 'requests_total{route="/generate",status="200"}') == 1)
     assert client.post("/generate", json={"text": "y"}).status_code == 200  # not a 429
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/generate", "/v1/completions"])
+def test_a_conversations_next_turn_goes_where_its_answer_is_cached(servers, route, stream):
+    """The tree learned only the prompts: a second turn (first prompt, its answer, a new
+    message) matched under the cache threshold, and the miss went to the other replica, the
+    one with the smaller tree, every time."""
+    fakes, urls = start_fakes(servers, 2)
+    client, router = start_router(servers, urls)
+    first, question = "hi", "ok"
+
+    def ask(text):
+        if route == "/v1/chat/completions":
+            body = {"messages": text}
+        else:
+            body = {"text" if route == "/generate" else "prompt": text}
+        r = client.post(route, json={**body, "stream": stream})
+        assert r.status_code == 200
+        if not stream:
+            answer = r.json()
+            return answer["text"] if route == "/generate" else (
+                answer["choices"][0]["message"]["content"] if "message" in
+                answer["choices"][0] else answer["choices"][0]["text"])
+        events = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: {")]
+        if route == "/generate":
+            return events[-1]["text"]
+        return "".join(c.get("text") or c.get("delta", {}).get("content") or ""
+                       for e in events for c in e["choices"])
+
+    turn = [{"role": "user", "content": first}] if route.endswith("chat/completions") else first
+    answer = ask(turn)
+    served = [f.requests for f in fakes]
+    holder = served.index(1)
+    assert wait_until(lambda: router.tree.size(urls[holder]) > len(first) + 1)
+    if route.endswith("chat/completions"):
+        ask(turn + [{"role": "assistant", "content": answer},
+                    {"role": "user", "content": question}])
+    else:
+        ask(first + answer + question)
+    assert fakes[holder].requests == 2 and fakes[1 - holder].requests == 0

@@ -18,7 +18,7 @@ from radixray.router.app import build_app
 from radixray.router.bodies import LARGE_BODY_BYTES
 from radixray.router.config import RouterConfig
 from router_helpers import metric, start_fakes, start_router, wait_until
-from test_router_helper import SLOW_ANSWER_S, read_request_or_die, slow_answer_counts
+from test_router_helper import SLOW_ANSWER_S, read_request_or_die, slow_answer_facts
 
 P = "radixray_router:"
 
@@ -111,7 +111,7 @@ def test_a_body_whose_helper_dies_under_it_is_a_503_in_the_routes_shape(servers,
 
 
 def test_a_large_answer_goes_out_before_its_token_counts_are_read(servers, monkeypatch):
-    monkeypatch.setattr(proxy_module, "answer_counts", slow_answer_counts)
+    monkeypatch.setattr(proxy_module, "answer_facts", slow_answer_facts)
     fakes, urls = start_fakes(servers, 1)
     client, router = start_router(servers, urls)
     prompts = [f"p{i:05d}" for i in range(3000)]
