@@ -57,6 +57,29 @@ def test_tp2_equals_hf_and_detects_dead_peer(group_driver, tiny_qwen2_path):
     assert time.monotonic() - start < 15
 
 
+def test_a_vocabulary_not_divisible_by_tp_is_padded(ray_session, tmp_path):
+    """SGLang pads the vocabulary across ranks; radixray refused 2051 tokens at tp 2 (a
+    fine-tune with one added token could not be served with tensor parallelism)."""
+    from conftest import TINY
+    from radixray.cluster.worker_group import WorkerGroup
+    from radixray.worker.make_model import make_model
+
+    path = make_model(str(tmp_path / "odd-vocab"), arch="llama", **{**TINY, "vocab_size": 2051})
+    cfg = RunnerConfig(path, max_total_tokens=256, max_running_requests=4)
+    group = WorkerGroup(cfg, tp_size=2, step_timeout_s=30)
+    try:
+        driver = Driver(ModelRunner(cfg))
+        driver.runner = group
+        prompts = [[5, 6, 7, 2050], [2049, 11, 12]]  # ids in the last rank's real rows
+        reqs = [Req(p) for p in prompts]
+        driver.step([(r, 0, None) for r in reqs])
+        _decode(driver, reqs, 5)
+        for r, p in zip(reqs, prompts):
+            assert r.out == hf_greedy(path, p, 6)
+    finally:
+        group.shutdown()
+
+
 def test_a_replica_waits_for_room_as_long_as_it_is_told(ray_session, monkeypatch, caplog):
     """No node has a GPU: the reservation says every interval that it is still waiting, gives
     up at --placement-timeout naming the flag, and leaves no placement group behind. (It was a

@@ -95,20 +95,23 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding table with vocabulary rows split across ranks. Ids outside this rank's range
-    give zeros locally; the all-reduce fills them in from the owning rank."""
+    """Embedding table with vocabulary rows split across ranks (the vocabulary padded to a
+    multiple of the tp size; padding rows are zero). Ids outside this rank's range give zeros
+    locally; the all-reduce fills them in from the owning rank."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel):
         super().__init__()
         self.vocab_size = vocab_size
-        self.vocab_start, self.vocab_local = tp.split(vocab_size, "vocab_size")
-        self.weight = _set_loader(nn.Parameter(torch.empty(self.vocab_local, hidden_size)),
+        self.vocab_start, self.vocab_local, self.vocab_real = tp.vocab_split(vocab_size)
+        self.weight = _set_loader(nn.Parameter(torch.zeros(self.vocab_local, hidden_size)),
                                   self._load)
         self.tp = tp
 
     def _load(self, param: nn.Parameter, full: torch.Tensor, part: int = 0) -> None:
         _check_shape("weight", (self.vocab_size, param.shape[1]), full.shape)
-        param.data.copy_(self.tp.shard(full, 0, self.vocab_start, self.vocab_local))
+        param.data.zero_()
+        param.data[:self.vocab_real].copy_(
+            self.tp.shard(full, 0, self.vocab_start, self.vocab_real))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
         if self.tp.size == 1:
@@ -125,7 +128,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     (rank 0 samples from them)."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
-        return self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
+        # padding columns (a vocabulary not divisible by the tp size) are no tokens
+        return logits if logits.shape[-1] == self.vocab_size else \
+            logits[..., :self.vocab_size].contiguous()
 
 
 class RMSNorm(nn.Module):

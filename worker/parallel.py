@@ -26,6 +26,14 @@ class TensorParallel:
         length = total // self.size
         return self.rank * length, length
 
+    def vocab_split(self, vocab_size: int) -> tuple[int, int, int]:
+        """(start, rows, real rows) of this rank's share of a vocabulary padded to a multiple of
+        the tp size (as SGLang pads it: a fine-tune's 32,001 tokens still split): every rank
+        holds ``rows`` rows, the first ``real rows`` of them real, the rest zero padding."""
+        rows = -(-vocab_size // self.size)
+        start = self.rank * rows
+        return start, rows, max(min(rows, vocab_size - start), 0)
+
     def kv_head_range(self, num_kv_heads: int) -> tuple[int, int]:
         """KV heads of this rank. With fewer KV heads than ranks, heads are replicated: rank r
         uses head ``r * num_kv_heads // size``."""
