@@ -252,20 +252,23 @@ class Engine:
             texts = [prompt] if single else list(prompt)
             if not texts or not all(isinstance(t, str) for t in texts):
                 raise ValueError("prompt: must be a string or a non-empty list of strings")
-            if "" in texts:  # as the HTTP API: not a generation from BOS alone
-                raise ValueError("prompt: the prompt is empty")
             for t in texts:  # the tokenizer's own error (a TypeError) names nothing
                 try:
                     t.encode("utf-8")
                 except UnicodeEncodeError as e:
                     raise ValueError(f"prompt: not valid Unicode text (a lone surrogate at "
                                      f"character {e.start})") from None
-            return single, [self.tokenizer.encode(t) for t in texts]
+            ids = [self.tokenizer.encode(t) for t in texts]
+            if not all(ids):  # as the HTTP API: "" is BOS alone where the tokenizer adds one
+                raise ValueError("prompt: the prompt is empty (no tokens)")
+            return single, ids
         if not isinstance(input_ids, (list, tuple)) or not input_ids:
             raise ValueError("input_ids: must be a non-empty list of token ids or of lists")
         single = not isinstance(input_ids[0], (list, tuple))
         if not single and not all(isinstance(x, (list, tuple)) for x in input_ids):
             raise ValueError("input_ids: a batch must be a list of lists of token ids")
+        if not single and not all(input_ids):
+            raise ValueError("input_ids: the prompt is empty")
         return single, [list(input_ids)] if single else [list(x) for x in input_ids]
 
     def _run(self, warmups: list[Req], reqs: list[Req]) -> dict[str, _Collected]:

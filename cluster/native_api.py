@@ -68,11 +68,16 @@ def _prompts(body: GenerateReqInput, ctx: ServingContext) -> tuple[list[list[int
         raise bad_request("text: give exactly one of text and input_ids", param="text")
     if body.text is not None:
         texts = body.text if isinstance(body.text, list) else [body.text]
-        if not texts or any(t == "" for t in texts):
+        if not texts:
             raise bad_request("text: the prompt is empty", param="text")
         for t in texts:
             check_text(t, "text")
-        return [ctx.tokenizer.encode(t) for t in texts], isinstance(body.text, list), "text"
+        # "" is a prompt when the tokenizer gives it a BOS token (SGLang's frontend starts
+        # programs with a gen that way); only no tokens at all is empty
+        ids = [ctx.tokenizer.encode(t) for t in texts]
+        if not all(ids):
+            raise bad_request("text: the prompt is empty (no tokens)", param="text")
+        return ids, isinstance(body.text, list), "text"
     ids = body.input_ids
     batch = bool(ids) and isinstance(ids[0], list)
     prompts = ids if batch else [ids]

@@ -260,9 +260,7 @@ def completion_requests(body: CompletionRequest, ctx: ServingContext) -> Complet
     base = body.rid or new_rid()
     firsts, copies = [], []
     for i, prompt in enumerate(prompts):
-        if isinstance(prompt, str):
-            if prompt == "":
-                raise bad_request("prompt: the prompt is empty", param="prompt")
+        if isinstance(prompt, str):  # "" is BOS alone where the tokenizer adds one, as OpenAI
             check_text(prompt, "prompt")
             ids = ctx.tokenizer.encode(prompt)
         else:

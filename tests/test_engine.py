@@ -242,8 +242,11 @@ def test_server_argument_errors_name_the_argument(tiny_llama_path):
             engine.generate(input_ids=list(range(600)))
         with pytest.raises(ValueError, match="^prompt: "):
             engine.generate()
-        with pytest.raises(ValueError, match="^prompt: the prompt is empty"):
-            engine.generate(prompt=["a", ""])  # as the HTTP API (it ran on BOS alone)
+        with pytest.raises(ValueError, match="^input_ids: "):
+            engine.generate(input_ids=[[1, 2], []])
+        # "" is BOS alone, as in SGLang and the HTTP API: a generation, not an error
+        empty = engine.generate(prompt=["a", ""], sampling_params={"max_new_tokens": 2})
+        assert empty[1]["meta_info"]["prompt_tokens"] == 1
         assert_clean(engine)
     with Engine(tiny_llama_path, max_total_tokens=4096) as engine:
         # a max_new_tokens the caller set must fit the context (it was silently cut short);

@@ -186,3 +186,13 @@ def test_top_logprobs_num_past_the_vocab_is_a_400(client, engine):
                                        "sampling_params": {"max_new_tokens": 1}})
     assert r.status_code == 200  # the whole vocabulary is allowed
     assert len(r.json()["meta_info"]["input_top_logprobs"][1]) == 2048
+
+
+def test_an_empty_text_is_the_bos_token_alone(client):
+    """SGLang's frontend starts a program with a gen on "" (the BOS token): it was a 400."""
+    r = client.post("/generate", json={"text": "", "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 200 and r.json()["meta_info"]["prompt_tokens"] == 1, r.text
+    r = client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 1, r.text
+    r = client.post("/generate", json={"input_ids": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input_ids"
