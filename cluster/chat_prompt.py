@@ -86,6 +86,8 @@ def template_messages(body, template) -> list[dict]:
                                   param=f"messages[{i}].content")
             content = "".join(part.text for part in content)
         check_text(content or "", f"messages[{i}].content")
+        for j, call in enumerate(m.tool_calls or []):
+            _check_earlier_call(call, f"messages[{i}].tool_calls[{j}]")
         message = template_message(m, content or "")
         # after template_message: a call's arguments, a JSON string, are parsed there, and
         # may escape a surrogate ("\\ud800") that only parsing reveals
@@ -135,6 +137,22 @@ def _call_parameters(tokenizer_type: type) -> frozenset[str]:
     params = inspect.signature(tokenizer_type.apply_chat_template).parameters
     return frozenset(name for name, p in params.items()
                      if p.kind is not p.VAR_KEYWORD) | {"messages", "conversations"}
+
+
+def _check_earlier_call(call: dict, path: str) -> None:
+    """An assistant's earlier call as OpenAI writes it: a function object with a string name
+    and its arguments as a JSON string (or an object); the template failed on anything else
+    with an error that named no field, or rendered it silently wrong."""
+    function = call.get("function")
+    if not isinstance(function, dict):
+        raise bad_request(f"{path}.function: must be an object with name and arguments",
+                          param=f"{path}.function")
+    if not isinstance(function.get("name"), str):
+        raise bad_request(f"{path}.function.name: must be a string",
+                          param=f"{path}.function.name")
+    if not isinstance(function.get("arguments", "{}"), (str, dict)):
+        raise bad_request(f"{path}.function.arguments: must be a JSON string",
+                          param=f"{path}.function.arguments")
 
 
 def check_strings(value, path: str) -> None:

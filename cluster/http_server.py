@@ -70,15 +70,17 @@ def error_body(path: str, err: APIError) -> dict:
 
 
 def validation_error(e: ValidationError) -> APIError:
-    """The first pydantic error as a 400 naming its field as the hand-written checks do
+    """The most specific pydantic error (the first of the deepest: for a union, the member
+    that got furthest) as a 400 naming its field as the hand-written checks do
     (``messages[0].content``; union-member tags dropped)."""
-    err = e.errors()[0]
+    errors = e.errors()
+    err = max(errors, key=lambda x: len(x["loc"]))
     name = ""
     for part in err["loc"]:
         if isinstance(part, int):
             name += f"[{part}]"
-        elif not any(c in part for c in "[]-") and part not in (
-                "str", "int", "float", "bool", "list", "dict", "none"):
+        elif not any(c in part for c in "[]-") and not part[:1].isupper() and part not in (
+                "str", "int", "float", "bool", "list", "dict", "none"):  # (a model: a tag)
             name += f".{part}" if name else part
     name = name or "body"
     return bad_request(f"{name}: {err['msg']}", param=name)

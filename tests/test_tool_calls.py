@@ -234,6 +234,17 @@ def test_tools_reach_the_template_and_a_conversation_with_calls_renders(server, 
     ({"tools": [{"type": "retrieval"}]}, "tools"),
     ({"tools": [WEATHER], "tool_choice": "required", "stop_token_ids": [5]},
      "tool_choice: a forced call cannot be combined with stop, stop_regex or stop_token_ids"),
+    # the most specific error, not the union's first member's ("Input should be 'none'...")
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": None}}},
+     "tool_choice.function.name: "),
+    # an earlier call that is no call: the template's error named no field
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None,
+                    "tool_calls": [{"id": "c", "type": "function", "function": True}]}]},
+     "messages[1].tool_calls[0].function: must be an object"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None,
+                    "tool_calls": [{"id": "c", "type": "function", "function": {
+                        "name": "get_time", "arguments": 7}}]}]},
+     "messages[1].tool_calls[0].function.arguments: must be a JSON string"),
     # OpenAI's deprecated function calling was silently ignored
     ({"functions": [WEATHER["function"]]}, "functions: deprecated by OpenAI"),
     ({"function_call": "auto"}, "function_call: deprecated by OpenAI"),
