@@ -16,6 +16,9 @@ decides to restart. ``shutdown`` always leaves nothing running.
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import threading
 
 import ray
 from ray.util.placement_group import (PlacementGroup, placement_group, placement_group_table,
@@ -25,6 +28,18 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ..worker.forward_batch import ForwardBatch, ForwardOutput
 from ..worker.model_runner import RunnerConfig
 from .tp_worker import TPWorker, is_gpu_device
+
+
+class RankActor(TPWorker):
+    """A TPWorker as its Ray actor: a SIGTERM ends the process at once, as a SIGKILL does. Ray's
+    own handler only stops the actor taking calls; its long-running watch or follow call then
+    kept a half-dead rank alive, which ``check_peers`` never noticed (rank 0: every request
+    waited out the step timeout)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        if threading.current_thread() is threading.main_thread():  # (Ray runs __init__ there)
+            signal.signal(signal.SIGTERM, lambda *_: os._exit(1))
 
 
 def resolve_device(requested: str, cluster_gpus: float | None = None) -> str:
@@ -82,7 +97,7 @@ class WorkerGroup:
         self._seq = 0  # batches submitted so far
         try:
             ray.get(self.pg.ready(), timeout=start_timeout_s)
-            actor_cls = ray.remote(TPWorker)
+            actor_cls = ray.remote(RankActor)
             for rank in range(tp_size):
                 strategy = PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=rank)

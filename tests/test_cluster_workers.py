@@ -44,8 +44,9 @@ def test_tp2_equals_hf_and_detects_dead_peer(group_driver, tiny_qwen2_path):
     for r, p in zip(reqs, prompts):
         assert r.out == hf_greedy(tiny_qwen2_path, p, 8)
 
-    # a killed peer is noticed by the next step (or by the peer check) within seconds
-    os.kill(group.pids()[1], signal.SIGKILL)
+    # a killed peer is noticed by the next step (or by the peer check) within seconds; a
+    # SIGTERM (SIGKILL always was) used to leave it half-dead: no calls taken, never noticed
+    os.kill(group.pids()[1], signal.SIGTERM)
     from radixray.cluster.worker_group import WorkerGroupError
 
     start = time.monotonic()
