@@ -24,7 +24,7 @@ import os
 import re
 import weakref
 
-from ..scheduler.stop import find_stop, regex_holdback
+from ..scheduler.stop import RegexBudget, find_stop, regex_holdback
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -47,6 +47,7 @@ class IncrementalDetokenizer:
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self.stop = [s for s in (stop or []) if s]
         self.stop_regex = list(stop_regex or [])
+        self._regex_budget = RegexBudget()  # this request's search time (scheduler.stop)
         self.no_stop_trim = no_stop_trim
         self.ids: list[int] = []
         self.text = ""  # released
@@ -91,7 +92,7 @@ class IncrementalDetokenizer:
         sent = len(self.text)
         end = len(self._decoded)
         # A stop cannot begin before `sent`: any text that could begin one was held back.
-        found = find_stop(self._decoded, sent, self.stop, self.stop_regex)
+        found = find_stop(self._decoded, sent, self.stop, self.stop_regex, self._regex_budget)
         if found is not None:
             pos, _, self.matched_stop = found
             # no_stop_trim keeps all the text decoded so far, the rest of the token that
@@ -107,7 +108,7 @@ class IncrementalDetokenizer:
         """Length of the longest unreleased suffix that is a proper prefix of a stop string, or
         that a stop regex matches partially."""
         tail = self._decoded[start:]
-        longest = regex_holdback(self._decoded, start, self.stop_regex)
+        longest = regex_holdback(self._decoded, start, self.stop_regex, self._regex_budget)
         for stop in self.stop:
             for k in range(min(len(stop) - 1, len(tail)), longest, -1):
                 if tail.endswith(stop[:k]):

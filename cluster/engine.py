@@ -12,19 +12,24 @@ SGLang's ``/generate`` response. Server arguments take SGLang's names.
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import re
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from ..scheduler.config import SchedulerConfig
-from ..scheduler.request import Req, RequestOutput
+from ..scheduler.request import Req
 from ..scheduler.scheduler import Scheduler
-from ..scheduler.stop import trim_stop_text, visible_output_ids
+from ..scheduler.stop import StopRegexTooSlow, trim_stop_text, visible_output_ids
 from ..worker.sampling_params import SamplingParams
+from .engine_requests import Collected, logprob_start, per_request, plain_entry
 from .request_checks import context_overflow
+
+log = logging.getLogger(__name__)
 
 # Server arguments for the model runner and tokenizer (the rest are SchedulerConfig's fields).
 RUNNER_ARGS = {
@@ -41,34 +46,13 @@ RUNNER_ARGS = {
 }
 
 
-@dataclass
-class _Collected:
-    """One request's outputs gathered over the steps."""
-
-    output_ids: list[int] = field(default_factory=list)
-    last: RequestOutput | None = None
-    output_token_logprobs: list = field(default_factory=list)
-    output_top_logprobs: list = field(default_factory=list)
-    input_token_logprobs: list | None = None
-    input_top_logprobs: list | None = None
-    latency: float = 0.0  # seconds from submission to the final output
-
-    def add(self, out: RequestOutput) -> None:
-        self.output_ids += out.new_token_ids
-        self.output_token_logprobs += out.output_token_logprobs
-        self.output_top_logprobs += out.output_top_logprobs
-        if out.input_token_logprobs is not None:
-            self.input_token_logprobs = out.input_token_logprobs
-            self.input_top_logprobs = out.input_top_logprobs
-        self.last = out
-
-    def after_warmup(self, warm: "_Collected", prompt_len: int) -> None:
-        """A copy (n > 1) reports its warm-up's cache hit (capped as a generating request's:
-        it recomputes the last prompt token) and waited for it too."""
-        cached = min(warm.last.cached_tokens, prompt_len - 1)
-        self.last = replace(self.last, cached_tokens=cached,
-                            host_cached_tokens=min(warm.last.host_cached_tokens, cached))
-        self.latency += warm.latency
+def _serialised(method):
+    """``method`` under the engine's lock: a shutdown in another thread waits for it."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 def split_server_args(server_args: dict) -> tuple[dict, dict]:
@@ -145,8 +129,9 @@ class Engine:
             load_format=runner_args["load_format"], seed=self.config.random_seed,
             enable_hierarchical_cache=self.config.enable_hierarchical_cache,
             hicache_ratio=self.config.hicache_ratio, hicache_size=self.config.hicache_size))
-        # One generate at a time: two threads stepping one scheduler corrupt it.
-        self._lock = threading.Lock()
+        # One generate at a time: two threads stepping one scheduler corrupt it. Re-entrant:
+        # generate holds it from its checks on, and its steps take it again.
+        self._lock = threading.RLock()
         self._stepping = False  # a generate call has queued requests (see _run)
         self.scheduler = self._new_scheduler()
         self.server_args["disable_overlap_schedule"] = not self.scheduler.overlap  # effective
@@ -163,6 +148,7 @@ class Engine:
                          tokenizer=self.tokenizer)
 
     # ------------------------------------------------------------------ generation
+    @_serialised
     def generate(self, prompt=None, sampling_params=None, input_ids=None, *,
                  return_logprob=False, logprob_start_len=None, top_logprobs_num=None,
                  return_text_in_logprobs=False, rid=None, priority=None, routing_key=None,
@@ -181,9 +167,9 @@ class Engine:
         single, ids = self._token_ids(prompt, input_ids)
         prompt_field = "prompt" if prompt is not None else "input_ids"
         count = len(ids)
-        raw_params = _per_request(sampling_params, count, "sampling_params", dict)
+        raw_params = per_request(sampling_params, count, "sampling_params", dict)
         params = [SamplingParams.from_dict(p) for p in raw_params]
-        per = {name: _per_request(value, count, name)
+        per = {name: per_request(value, count, name)
                for name, value in (("return_logprob", return_logprob),
                                    ("logprob_start_len", logprob_start_len),
                                    ("top_logprobs_num", top_logprobs_num), ("rid", rid),
@@ -196,7 +182,7 @@ class Engine:
             base, sp = per["rid"][i] or uuid.uuid4().hex, params[i]
             if isinstance(rid, str) and not single:  # one rid for a batch: rid-0, rid-1, ...
                 base = f"{rid}-{i}"
-            start = _logprob_start(per["return_logprob"][i], per["logprob_start_len"][i],
+            start = logprob_start(per["return_logprob"][i], per["logprob_start_len"][i],
                                    len(ids[i]))
             top_n = per["top_logprobs_num"][i]
             top_n = 0 if top_n is None else top_n
@@ -271,7 +257,7 @@ class Engine:
             raise ValueError("input_ids: the prompt is empty")
         return single, [list(input_ids)] if single else [list(x) for x in input_ids]
 
-    def _run(self, warmups: list[Req], reqs: list[Req]) -> dict[str, _Collected]:
+    def _run(self, warmups: list[Req], reqs: list[Req]) -> dict[str, Collected]:
         """Run ``warmups``, then ``reqs`` (all validated first): queue them, step until each has
         finished. One call at a time (other threads wait). A step that raises (Ctrl-C in a
         notebook, a failed
@@ -290,7 +276,7 @@ class Engine:
                         old.grammars.backend.shutdown()
                 raise
 
-    def _run_locked(self, warmups: list[Req], reqs: list[Req]) -> dict[str, _Collected]:
+    def _run_locked(self, warmups: list[Req], reqs: list[Req]) -> dict[str, Collected]:
         # Set once requests are queued: from then on a failure may leave the scheduler half way
         self._stepping = False
         seen = set()
@@ -303,12 +289,12 @@ class Engine:
         collected = self._run_phase(warmups, {})
         return self._run_phase(reqs, collected)
 
-    def _run_phase(self, reqs: list[Req], collected: dict[str, _Collected]
-                   ) -> dict[str, _Collected]:
+    def _run_phase(self, reqs: list[Req], collected: dict[str, Collected]
+                   ) -> dict[str, Collected]:
         """Queue ``reqs`` and step until each has finished; adds their outputs to ``collected``."""
         for r in reqs:
             self.scheduler.add_request(r)
-        collected.update({r.rid: _Collected() for r in reqs})
+        collected.update({r.rid: Collected() for r in reqs})
         started = time.perf_counter()
         pending = {r.rid for r in reqs}
         while pending:
@@ -322,7 +308,7 @@ class Engine:
                 raise RuntimeError(f"scheduler went idle with {len(pending)} requests unfinished")
         return collected
 
-    def _result(self, req: Req, c: _Collected, text_in_logprobs: bool) -> dict:
+    def _result(self, req: Req, c: Collected, text_in_logprobs: bool) -> dict:
         sp, reason = req.sampling_params, c.last.finish_reason
         shown = visible_output_ids(c.output_ids, reason, sp.no_stop_trim)
         text = self.tokenizer.decode(
@@ -339,7 +325,7 @@ class Engine:
             "e2e_latency": c.latency,
         }
         if req.return_logprob:
-            entry = self._logprob_entry if text_in_logprobs else _plain_entry
+            entry = self._logprob_entry if text_in_logprobs else plain_entry
             meta["input_token_logprobs"] = [entry(lp, t) for lp, t in
                                             (c.input_token_logprobs or [])]
             meta["output_token_logprobs"] = [entry(lp, t) for lp, t in c.output_token_logprobs]
@@ -349,8 +335,12 @@ class Engine:
                                               for top in (c.input_top_logprobs or [])]
                 meta["output_top_logprobs"] = [[entry(lp, t) for lp, t in top]
                                                for top in c.output_top_logprobs]
-        return {"text": trim_stop_text(text, reason, sp.no_stop_trim, sp.stop_regex),
-                "output_ids": c.output_ids, "meta_info": meta}
+        try:
+            text = trim_stop_text(text, reason, sp.no_stop_trim, sp.stop_regex)
+        except StopRegexTooSlow:  # the scheduler found the stop; only the cut is lost
+            log.warning("request %s: its stop regex took too long to find again in the whole "
+                        "output; the text is not cut at it", req.rid)
+        return {"text": text, "output_ids": c.output_ids, "meta_info": meta}
 
     def _logprob_entry(self, logprob, token_id) -> list:
         return [logprob, token_id, self.tokenizer.decode([token_id])]
@@ -377,34 +367,3 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-
-
-def _plain_entry(logprob, token_id) -> list:
-    return [logprob, token_id, None]
-
-
-def _per_request(value, count: int, name: str, item_type: type | None = None) -> list:
-    """One value for all requests, or a list with one per request. With ``item_type`` (the
-    value's own type is a list for no argument but sampling_params' dicts) anything else is a
-    ValueError naming ``name``."""
-    if isinstance(value, list) and (item_type is None or all(
-            isinstance(v, item_type) or v is None for v in value)):
-        if len(value) != count:
-            raise ValueError(f"{name}: got {len(value)} values for {count} prompts")
-        return value
-    if item_type is not None and value is not None and not isinstance(value, item_type):
-        kind = item_type.__name__
-        raise ValueError(f"{name}: must be a {kind} or a list of one {kind} per prompt")
-    return [value] * count
-
-
-def _logprob_start(return_logprob: bool, start: int, prompt_len: int) -> int:
-    """SGLang's rule, as the HTTP API's: -1 means the last prompt token only (one null entry);
-    without logprobs the value is ignored."""
-    if not return_logprob:
-        return -1
-    if start is None or start == -1:
-        return prompt_len - 1
-    if not 0 <= start < prompt_len:
-        raise ValueError(f"logprob_start_len: must be -1 or in [0, {prompt_len}), got {start}")
-    return start

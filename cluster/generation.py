@@ -146,7 +146,9 @@ class RequestState:
         # Text a grammar forces at the start goes out before the prompt is computed (its
         # output has no queue_time yet): the first token, for TTFT and ITL, is the first one
         # that follows the prefill.
-        if new and (self.first_token_time is not None or out.queue_time is not None):
+        # (An answer the grammar forces whole never runs a prefill: its first token is its end.)
+        if new and (self.first_token_time is not None or out.queue_time is not None
+                    or out.finished):
             if self.first_token_time is None:
                 self.first_token_time = now
             elif self._last_token_time is not None:

@@ -87,11 +87,11 @@ def check_text(text: str, field_name: str) -> None:
 
 def cache_namespace(extra_key: str | None, cache_salt: str | None) -> str | None:
     """The radix key's ``extra_key`` for a request: requests share cached prefixes only when
-    both their ``extra_key`` and their ``cache_salt`` are equal (empty means unset). A salt is
-    encoded together with the key, so no salt equals some other request's bare extra_key."""
-    if not cache_salt:
-        return extra_key or None
-    return json.dumps([extra_key or None, cache_salt])
+    both their ``extra_key`` and their ``cache_salt`` are equal (empty means unset). The pair
+    is encoded as one JSON list, so no salt can pass for another request's extra_key."""
+    if not extra_key and not cache_salt:
+        return None
+    return json.dumps([extra_key or None, cache_salt or None])
 
 
 def check_token_ids(ids: list[int], vocab_size: int, field_name: str) -> None:

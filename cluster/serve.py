@@ -257,6 +257,8 @@ def run_serve(args: argparse.Namespace) -> int:
         for name in ("tp_size", "replicas"):
             if getattr(args, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
+        if not 0 < args.health_check_timeout < math.inf:
+            raise ValueError("health_check_timeout: must be a number of seconds > 0")
         if not 0 <= args.placement_timeout < math.inf:
             raise ValueError("placement_timeout: must be a number of seconds >= 0 (0: no limit)")
         if args.ray_dashboard_port is not None and args.ray_address is not None:

@@ -279,6 +279,8 @@ class Proxy:
         """The worker cached the answer after the prompt: a conversation's next turn (the
         prompt, the answer, a new message) then matches it there, not only its first turn.
         Chat text is the messages joined by newlines (request.py), so the answer joins so."""
+        if route == "/v1/completions" and answer and answer.startswith(info.text):
+            answer = answer[len(info.text):]  # echo: the prompt came back in front
         if answer and info.text and worker.url in self.registry:
             text = info.text + ("\n" if route == "/v1/chat/completions" else "") + answer
             self.tree.insert(text, worker.url, worker.tree_limit)
@@ -322,7 +324,9 @@ class Proxy:
     def _commit_stream(self, worker: Worker, route: str, resp: httpx.Response, first: bytes,
                        chunks, info, on_done) -> Response:
         """Pass the rest of an upstream stream through; the cleanup settles the accounts."""
-        tail = SSETail(keep_events=info.copies == 1 and bool(info.text))
+        # An OpenAI stream's answer is the sum of its events; a native one's last event holds
+        # all of it (keeping every native event would hold the text many times over).
+        tail = SSETail(keep_events=route != "/generate" and bool(info.text))
         state = {"outcome": "cut"}  # finished | failed | cut (the client went away)
         # The 200 went out with the first byte; the books record how the stream ended.
         status_of = {"finished": 200, "failed": 502, "cut": 499}
@@ -360,10 +364,14 @@ class Proxy:
                     self.metrics.errors.labels(worker.url, "stream").inc()
                 else:
                     self._record_real(counts)
-                    if tail.events:
+                    events = tail.events
+                    if route == "/generate":  # one answer, no index: its last event is all
+                        last = tail.last_events
+                        events = list(last.values()) if set(last) == {None} else None
+                    if events:
                         try:
                             answer = await self.offload.parse_answer(
-                                tail.events_size, stream_text, tail.events)
+                                sum(map(len, events)), stream_text, events)
                         except HelperDied:  # logged by the helper; the tree learns nothing
                             answer = None
                         self._learn_answer(worker, route, info, answer)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
+import weakref
 from typing import Callable, Iterable
 
 import regex
@@ -38,23 +40,42 @@ Decode = Callable[..., str]
 STOP_REGEX_CONTEXT_TOKENS = 8
 REPLACEMENT_CHAR = "\ufffd"  # what a token ending inside a UTF-8 character decodes to
 _UNBOUNDED = 1 << 16  # a match width from here on counts as unbounded
-# A stop regex is searched at every token, on the engine's thread and on the HTTP event loop:
-# one whose search backtracks for longer than this ends its request (400) rather than stall
-# every other request on the replica (a crafted one froze a replica for good).
-STOP_REGEX_TIMEOUT_S = 0.2
+# Stop regexes are searched at every token, on the engine's thread and on the HTTP event loop,
+# where their time stalls every request on the replica (a crafted pattern froze one for good;
+# twenty patterns just under any per-search limit slowed everyone 5x). So each request has a
+# budget of search time on each side that searches (the scheduler's check, the HTTP
+# detokenizer): one that spends it ends with a 400, the rest of the replica unharmed.
+STOP_REGEX_BUDGET_S = 1.0
 
 
 class StopRegexTooSlow(ValueError):
-    """A stop regex's search ran past STOP_REGEX_TIMEOUT_S; the message names the field."""
+    """A request's stop regexes spent their search time; the message names the field."""
 
 
-def _search(pattern: str, text: str, pos: int, partial: bool = False):
-    try:
-        return compile_stop_regex(pattern).search(text, pos, partial=partial,
-                                                  timeout=STOP_REGEX_TIMEOUT_S)
-    except TimeoutError:
-        raise StopRegexTooSlow(f"stop_regex: {pattern!r} took over {STOP_REGEX_TIMEOUT_S:g} s "
-                               "to search this output; use a simpler pattern") from None
+class RegexBudget:
+    """The stop-regex search time one request has left on one side (mutated by ``search``)."""
+
+    def __init__(self, seconds: float = STOP_REGEX_BUDGET_S):
+        self.left = seconds
+
+    def search(self, pattern: str, text: str, pos: int, partial: bool = False):
+        if self.left <= 0:
+            raise self._spent(pattern)
+        started = time.perf_counter()
+        try:
+            return compile_stop_regex(pattern).search(text, pos, partial=partial,
+                                                      timeout=self.left)
+        except TimeoutError:
+            self.left = 0
+            raise self._spent(pattern) from None
+        finally:
+            self.left -= time.perf_counter() - started
+
+    @staticmethod
+    def _spent(pattern: str) -> StopRegexTooSlow:
+        return StopRegexTooSlow(f"stop_regex: searching for {pattern!r} and the request's other "
+                                f"stop regexes took over {STOP_REGEX_BUDGET_S:g} s; use "
+                                "simpler patterns")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -73,27 +94,31 @@ def stop_regex_width(pattern: str) -> int | None:
     return width if width < _UNBOUNDED else None
 
 
-def find_stop(text: str, start: int, stop: Iterable[str],
-              stop_regex: Iterable[str]) -> tuple[int, int, str] | None:
-    """The earliest stop in ``text[start:]`` as (start, end, the stop string or regex), or None."""
+def find_stop(text: str, start: int, stop: Iterable[str], stop_regex: Iterable[str],
+              budget: RegexBudget | None = None) -> tuple[int, int, str] | None:
+    """The earliest stop in ``text[start:]`` as (start, end, the stop string or regex), or None.
+    ``budget``: the request's regex search time (None: a fresh one)."""
+    budget = budget or RegexBudget()
     best = None
     for s in stop:
         pos = text.find(s, start)
         if pos >= 0 and (best is None or pos < best[0]):
             best = (pos, pos + len(s), s)
     for pattern in stop_regex:
-        m = _search(pattern, text, start)
+        m = budget.search(pattern, text, start)
         if m is not None and (best is None or m.start() < best[0]):
             best = (m.start(), m.end(), pattern)
     return best
 
 
-def regex_holdback(text: str, start: int, stop_regex: Iterable[str]) -> int:
+def regex_holdback(text: str, start: int, stop_regex: Iterable[str],
+                   budget: RegexBudget | None = None) -> int:
     """How much of the end of ``text[start:]`` may still grow into a match of a stop regex
     (its partial match: the ``regex`` module's ``partial=True``), so must not be released."""
+    budget = budget or RegexBudget()
     longest = 0
     for pattern in stop_regex:
-        m = _search(pattern, text, start, partial=True)
+        m = budget.search(pattern, text, start, partial=True)
         if m is not None and m.partial:
             longest = max(longest, len(text) - m.start())
     return longest
@@ -105,6 +130,7 @@ class StopChecker:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.decode = decode
         self.max_context_len = max_context_len
+        self._budgets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Req -> budget
 
     def check(self, req: Req) -> FinishReason | None:
         """Why ``req`` is finished after its newest token, or None. Reads only; the caller sets
@@ -138,7 +164,7 @@ class StopChecker:
                 if s in tail:
                     return FinishReason.stop(s)
         if sp.stop_regex:
-            matched = self._stop_regex_match(out, sp)
+            matched = self._stop_regex_match(req, out, sp)
             if matched is not None:
                 return FinishReason.stop(matched)
         if len(out) >= sp.max_new_tokens:
@@ -152,7 +178,7 @@ class StopChecker:
         return self.decode(ids, skip_special_tokens=sp.skip_special_tokens,
                            spaces_between_special_tokens=sp.spaces_between_special_tokens)
 
-    def _stop_regex_match(self, out: list[int], sp) -> str | None:
+    def _stop_regex_match(self, req: Req, out: list[int], sp) -> str | None:
         """The first stop regex that matches the output's newest text, or None. Searched from
         a window of tokens wide enough for the longest match (4 bytes a character; all of the
         output for an unbounded pattern), with a few tokens of context before it."""
@@ -164,8 +190,9 @@ class StopChecker:
         # detokenizer does), or a \W would match its replacement character
         text = text.rstrip(REPLACEMENT_CHAR)
         pos = len(self._decode(out[start:len(out) - window], sp)) if len(out) > window else 0
+        budget = self._budgets.setdefault(req, RegexBudget())
         for p in sp.stop_regex:
-            if _search(p, text, pos):
+            if budget.search(p, text, pos):
                 return p
         return None
 

@@ -232,6 +232,7 @@ def test_cache_salt_and_extra_key_keep_cached_prefixes_apart(client):
     assert cached(cache_salt="b") == 0
     assert cached(extra_key="a") == 0
     assert cached(extra_key="k", cache_salt="a") == 0
+    assert cached(extra_key='[null, "a"]') == 0  # no extra_key passes for a salt
     assert cached(cache_salt="a") > 0
 
 

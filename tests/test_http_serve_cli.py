@@ -45,6 +45,10 @@ def test_bad_flag_value_names_it(tiny_llama_path):
     r = _serve(["--model", tiny_llama_path, "--ray-address", "auto", "--ray-dashboard-port",
                 "8265", "--port", str(free_port())])
     assert r.returncode == 2 and "ray_dashboard_port: only for the local Ray" in r.stderr
+    # it passed, Ray and the replicas started, then the router refused it and serve ended
+    r = _serve(["--model", tiny_llama_path, "--health-check-timeout", "nan", "--port",
+                str(free_port())])
+    assert r.returncode == 2 and "health_check_timeout: must be" in r.stderr
 
 
 def test_serve_without_model_uses_the_default_model(tiny_llama_path, tmp_path):

@@ -81,6 +81,17 @@ def test_ttft_starts_after_the_prefill_not_at_a_grammars_forced_opening(tokenize
     assert queue == 0.01 and e2e >= ttft
 
 
+def test_an_answer_the_grammar_forces_whole_has_a_first_token(tokenizer):
+    """It never runs a prefill (no queue_time): its TTFT was missing from the histogram."""
+    class Forced(ScriptedEngine):
+        async def generate(self, req):
+            yield TokenOutput(req.rid, [11, 12], True, {"type": "stop", "matched": 2},
+                              len(req.input_ids))
+
+    (ttft, itl, e2e, queue), = serve(tokenizer, Forced(forced=[], tokens=0))
+    assert ttft is not None and ttft <= e2e and queue is None
+
+
 def test_a_request_the_client_cuts_is_recorded_up_to_the_cut(tokenizer):
     (ttft, itl, e2e, queue), = serve(tokenizer, ScriptedEngine(forced=[], tokens=8), read=2)
     assert ttft >= PREFILL_S and len(itl) == 1 and queue == 0.01

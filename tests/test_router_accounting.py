@@ -4,6 +4,7 @@ is streamed, a batch or n copies, and only for answers that were served; a strea
 cannot be settled still frees its admission slot."""
 
 import json
+import time
 
 import httpx
 import pytest
@@ -170,3 +171,21 @@ def test_a_conversations_next_turn_goes_where_its_answer_is_cached(servers, rout
     else:
         ask(first + answer + question)
     assert fakes[holder].requests == 2 and fakes[1 - holder].requests == 0
+
+
+def test_native_streams_teach_their_own_answer_only(servers):
+    """A long native stream (each event repeats the text so far) passed the kept-events cap and
+    taught nothing; a streamed batch taught its first prompt followed by another's answer."""
+    fakes, urls = start_fakes(servers, 1)
+    client, router = start_router(servers, urls)
+    fakes[0].output_len = 2000  # 2,000 cumulative events: ~2 MB of them
+    r = client.post("/generate", json={"text": "long", "stream": True})
+    answer = json.loads(r.text.split("data: ")[-2])["text"]
+    assert len(answer) == 2000
+    assert wait_until(lambda: router.tree.match("long" + answer).chars_for(urls[0]) ==
+                      len("long" + answer))
+    fakes[0].output_len = 8
+    r = client.post("/generate", json={"text": ["AAAA", "BBBBBBB"], "stream": True})
+    second = [json.loads(e) for e in r.text.split("data: ")[1:-1]][-1]["text"]
+    time.sleep(0.3)  # the stream's books are settled after its last byte
+    assert router.tree.match("AAAA" + second).chars_for(urls[0]) <= len("AAAA")

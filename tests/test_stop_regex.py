@@ -81,10 +81,11 @@ def test_bad_patterns_are_rejected_naming_the_field(pattern, error):
 
 def test_a_backtracking_pattern_ends_its_own_request_instead_of_stalling_the_replica():
     """A search that backtracks for ever froze the engine's thread and the HTTP event loop
-    (only kill -9 ended it); now it gives up at STOP_REGEX_TIMEOUT_S and ends its request."""
+    (only kill -9 ended it); now it gives up when the request's search time is spent and ends
+    its request."""
     import time
 
-    from radixray.scheduler.stop import STOP_REGEX_TIMEOUT_S, StopRegexTooSlow
+    from radixray.scheduler.stop import STOP_REGEX_BUDGET_S, StopRegexTooSlow
 
     pattern = r"(.|.)+\d{6}"
     started = time.monotonic()
@@ -98,7 +99,24 @@ def test_a_backtracking_pattern_ends_its_own_request_instead_of_stalling_the_rep
     reason = checker.check(req).to_dict()
     assert reason["type"] == "abort" and reason["status_code"] == 400
     assert reason["message"].startswith("stop_regex: ")
-    assert time.monotonic() - started < 10 * STOP_REGEX_TIMEOUT_S
+    assert time.monotonic() - started < 5 * STOP_REGEX_BUDGET_S
+
+
+def test_many_quick_patterns_share_one_budget_per_request():
+    """Twenty patterns each under any per-search limit slowed the whole replica 5x: the time
+    adds up per request, and the request that spends it ends alone."""
+    from radixray.scheduler.stop import RegexBudget, StopRegexTooSlow
+
+    budget = RegexBudget(0.05)
+    text = "a" * 22 + "x"
+    patterns = [r"(a|a)+\d" + str(i) for i in range(40)]  # each backtracks ~2^22 steps: slow
+    with pytest.raises(StopRegexTooSlow):
+        for _ in range(100):
+            find_stop(text, 0, [], patterns, budget)
+    assert budget.left <= 0
+    with pytest.raises(StopRegexTooSlow):  # spent for good: the next search refuses at once
+        budget.search(r"\d", "1", 0)
+    assert find_stop("abc 1", 0, [], [r"\d"]) == (4, 5, r"\d")  # a fresh budget per call
 
 
 # ---------------------------------------------------------------- multi-byte stops

@@ -59,7 +59,8 @@ def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tens
 def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest logprobs per row, descending: [N, V] -> (values [N, k] float32, ids)."""
     x = logits.float()
-    values, ids = x.topk(min(k, x.shape[-1]), dim=-1)  # sorted descending; logprobs share the logits' order
+    # sorted descending; logprobs share the logits' order. A k past the vocabulary: all of it
+    values, ids = x.topk(min(k, x.shape[-1]), dim=-1)
     return values - torch.logsumexp(x, dim=-1, keepdim=True), ids
 
 
