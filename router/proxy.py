@@ -261,10 +261,11 @@ class Proxy:
         worker.breaker.record_success()
         if resp.status_code == 200:
             worker.served += 1
+            mark = self.tree.forget_count
             # Only the metrics and the tree need these: the client does not wait for them.
             def learn(facts):
                 self._record_real(facts[0])
-                self._learn_answer(worker, route, info, facts[1])
+                self._learn_answer(worker, route, info, facts[1], mark)
 
             self.offload.book(len(resp.content), answer_facts, (resp.content, info.copies),
                               learn)
@@ -275,10 +276,15 @@ class Proxy:
         if counts is not None:
             self.metrics.record_real(*counts)
 
-    def _learn_answer(self, worker: Worker, route: str, info, answer: str | None) -> None:
+    def _learn_answer(self, worker: Worker, route: str, info, answer: str | None,
+                      mark: int) -> None:
         """The worker cached the answer after the prompt: a conversation's next turn (the
         prompt, the answer, a new message) then matches it there, not only its first turn.
-        Chat text is the messages joined by newlines (request.py), so the answer joins so."""
+        Chat text is the messages joined by newlines (request.py), so the answer joins so.
+        Nothing is learned if the tree forgot whole workers since ``mark`` (a flush or a
+        restart after the answer: its entries must not come back)."""
+        if self.tree.forget_count != mark:
+            return
         if route == "/v1/completions" and answer and answer.startswith(info.text):
             answer = answer[len(info.text):]  # echo: the prompt came back in front
         if answer and info.text and worker.url in self.registry:
@@ -327,6 +333,7 @@ class Proxy:
         # An OpenAI stream's answer is the sum of its events; a native one's last event holds
         # all of it (keeping every native event would hold the text many times over).
         tail = SSETail(keep_events=route != "/generate" and bool(info.text))
+        mark = self.tree.forget_count
         state = {"outcome": "cut"}  # finished | failed | cut (the client went away)
         # The 200 went out with the first byte; the books record how the stream ended.
         status_of = {"finished": 200, "failed": 502, "cut": 499}
@@ -368,13 +375,10 @@ class Proxy:
                     if route == "/generate":  # one answer, no index: its last event is all
                         last = tail.last_events
                         events = list(last.values()) if set(last) == {None} else None
-                    if events:
-                        try:
-                            answer = await self.offload.parse_answer(
-                                sum(map(len, events)), stream_text, events)
-                        except HelperDied:  # logged by the helper; the tree learns nothing
-                            answer = None
-                        self._learn_answer(worker, route, info, answer)
+                    if events:  # in the background: the client's slot is freed meanwhile
+                        self.offload.book(
+                            sum(map(len, events)), stream_text, (events,),
+                            lambda answer: self._learn_answer(worker, route, info, answer, mark))
             outcome = state["outcome"]
             if outcome == "finished":
                 worker.breaker.record_success()

@@ -276,7 +276,7 @@ def _event_json(event: bytes):
 # it off the event's end keeps the bytes unparsed while they pass: parsing every event of every
 # stream would cost the router more than relaying it. An event where it is not last counts as
 # an answer without index (the stream is then judged by its last such event, as before).
-KEEP_EVENTS_BYTES = 1 << 20
+KEEP_EVENTS_BYTES = 256 << 10  # per stream: ~1,500 tokens of chat, learned in full
 _INDEX_AT_END = re.compile(rb'"index"\s*:\s*(\d+)\s*\}\s*$')
 
 

@@ -81,6 +81,9 @@ class ApproxRadixTree:
         self._lru: dict[str, OrderedDict[Node, None]] = {}
         self._size: dict[str, int] = {}
         self.evicted_chars = 0  # cumulative, for tests and benchmarks
+        # Bumped whenever whole tenants are forgotten (a flush, a restart, a removal): text
+        # learned from an answer that came before must not bring their entries back.
+        self.forget_count = 0
 
     # ----------------------------------------------------------------------------------- reads
     def match(self, text: str) -> PrefixMatch:
@@ -185,6 +188,7 @@ class ApproxRadixTree:
     def remove_tenant(self, tenant: str) -> None:
         """Forget everything ``tenant`` holds (a worker left or died)."""
         lru = self._lru.pop(tenant, None)
+        self.forget_count += 1
         if lru is None:
             return
         for node in lru:
@@ -197,6 +201,7 @@ class ApproxRadixTree:
 
     def clear(self) -> None:
         """Forget everything (the engines' caches were flushed)."""
+        self.forget_count += 1
         self.root = Node("", None)
         self._lru.clear()
         self._size.clear()

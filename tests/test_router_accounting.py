@@ -189,3 +189,20 @@ def test_native_streams_teach_their_own_answer_only(servers):
     second = [json.loads(e) for e in r.text.split("data: ")[1:-1]][-1]["text"]
     time.sleep(0.3)  # the stream's books are settled after its last byte
     assert router.tree.match("AAAA" + second).chars_for(urls[0]) <= len("AAAA")
+
+
+def test_an_answer_learned_after_a_flush_does_not_bring_the_worker_back(servers):
+    """Answers are learned after they went out; a flush (or a restart) in between was undone:
+    the tree claimed the flushed worker held the prompt and its answer."""
+    from radixray.router.policies import RequestInfo
+
+    fakes, urls = start_fakes(servers, 1)
+    client, router = start_router(servers, urls)
+    worker = router.registry.get(urls[0])
+    mark = router.tree.forget_count  # an answer completes here ...
+    assert client.post("/flush_cache").status_code == 200  # ... the cache is flushed ...
+    router.proxy._learn_answer(worker, "/generate", RequestInfo("hi there"), " answer", mark)
+    assert router.tree.match("hi there answer").chars_for(urls[0]) == 0  # ... nothing back
+    router.proxy._learn_answer(worker, "/generate", RequestInfo("hi there"), " answer",
+                               router.tree.forget_count)
+    assert router.tree.match("hi there answer").chars_for(urls[0]) == len("hi there answer")
