@@ -22,10 +22,10 @@ import uuid
 from dataclasses import replace
 
 from ..scheduler.config import SchedulerConfig
-from ..scheduler.request import Req
+from ..scheduler.request import Req, prompt_fit_problem
 from ..scheduler.scheduler import Scheduler
 from ..scheduler.stop import StopRegexTooSlow, trim_stop_text, visible_output_ids
-from ..worker.sampling_params import SamplingParams
+from ..worker.sampling_params import SamplingParams, surrogate_at
 from .engine_requests import Collected, logprob_start, per_request, plain_entry
 from .request_checks import context_overflow
 
@@ -129,9 +129,9 @@ class Engine:
             load_format=runner_args["load_format"], seed=self.config.random_seed,
             enable_hierarchical_cache=self.config.enable_hierarchical_cache,
             hicache_ratio=self.config.hicache_ratio, hicache_size=self.config.hicache_size))
-        # One generate at a time: two threads stepping one scheduler corrupt it. Re-entrant:
-        # generate holds it from its checks on, and its steps take it again.
-        self._lock = threading.RLock()
+        # One generate at a time (two threads stepping one scheduler corrupt it), held from its
+        # checks on; shutdown and flush_cache wait for it.
+        self._lock = threading.Lock()
         self._stepping = False  # a generate call has queued requests (see _run)
         self.scheduler = self._new_scheduler()
         self.server_args["disable_overlap_schedule"] = not self.scheduler.overlap  # effective
@@ -216,13 +216,10 @@ class Engine:
         """As the HTTP API (and SGLang): the prompt must fit the context and the KV cache, and
         a max_new_tokens the caller set must fit the context after the prompt; the default is
         cut short at the context's end instead."""
-        context, pool = self.scheduler.max_context_len, self.scheduler.cache.pool_size
-        if prompt_len >= context:
-            raise ValueError(f"{prompt_field}: the prompt has {prompt_len} tokens; the model's "
-                             f"context length is {context}")
-        if prompt_len + 1 > pool:
-            raise ValueError(f"{prompt_field}: the prompt has {prompt_len} tokens; the KV "
-                             f"cache holds {pool}")
+        problem = prompt_fit_problem(prompt_len, self.scheduler.max_context_len,
+                                     self.scheduler.cache.pool_size, prompt_field)
+        if problem:
+            raise ValueError(problem)
         if (raw or {}).get("max_new_tokens") is not None:
             overflow = context_overflow(prompt_len, sp.max_new_tokens,
                                         self.scheduler.max_context_len, "max_new_tokens")
@@ -239,11 +236,10 @@ class Engine:
             if not texts or not all(isinstance(t, str) for t in texts):
                 raise ValueError("prompt: must be a string or a non-empty list of strings")
             for t in texts:  # the tokenizer's own error (a TypeError) names nothing
-                try:
-                    t.encode("utf-8")
-                except UnicodeEncodeError as e:
+                at = surrogate_at(t)
+                if at is not None:
                     raise ValueError(f"prompt: not valid Unicode text (a lone surrogate at "
-                                     f"character {e.start})") from None
+                                     f"character {at})")
             ids = [self.tokenizer.encode(t) for t in texts]
             if not all(ids):  # as the HTTP API: "" is BOS alone where the tokenizer adds one
                 raise ValueError("prompt: the prompt is empty (no tokens)")
@@ -259,22 +255,18 @@ class Engine:
 
     def _run(self, warmups: list[Req], reqs: list[Req]) -> dict[str, Collected]:
         """Run ``warmups``, then ``reqs`` (all validated first): queue them, step until each has
-        finished. One call at a time (other threads wait). A step that raises (Ctrl-C in a
-        notebook, a failed
-        forward) leaves the scheduler between a batch it built and the outputs it never
-        processed: it is replaced by a fresh one (the radix cache starts empty), so the engine
-        goes on serving, and the exception is raised."""
-        with self._lock:
-            if self.scheduler is None:
-                raise RuntimeError("the engine has been shut down")
-            try:
-                return self._run_locked(warmups, reqs)
-            except BaseException:
-                if self.scheduler is not None and self._stepping:
-                    old, self.scheduler = self.scheduler, self._new_scheduler()
-                    if old.grammars is not None:
-                        old.grammars.backend.shutdown()
-                raise
+        finished. Called under the engine's lock (``generate``). A step that raises (Ctrl-C in a
+        notebook, a failed forward) leaves the scheduler between a batch it built and the
+        outputs it never processed: it is replaced by a fresh one (the radix cache starts
+        empty), so the engine goes on serving, and the exception is raised."""
+        try:
+            return self._run_locked(warmups, reqs)
+        except BaseException:
+            if self.scheduler is not None and self._stepping:
+                old, self.scheduler = self.scheduler, self._new_scheduler()
+                if old.grammars is not None:
+                    old.grammars.backend.shutdown()
+            raise
 
     def _run_locked(self, warmups: list[Req], reqs: list[Req]) -> dict[str, Collected]:
         # Set once requests are queued: from then on a failure may leave the scheduler half way

@@ -7,8 +7,8 @@ import json
 import re
 
 from ..scheduler.grammar import validate_grammar
-from ..scheduler.request import MAX_SEED, MIN_SEED
-from ..worker.sampling_params import SamplingParams
+from ..scheduler.request import MAX_SEED, MIN_SEED, prompt_fit_problem
+from ..worker.sampling_params import SamplingParams, surrogate_at
 from .generation import bad_request
 
 
@@ -46,12 +46,9 @@ def check_lengths(prompt_len: int, max_new_tokens: int, context_len: int, prompt
     starts, so the answer is a real 400 naming the client's field."""
     if prompt_len == 0:
         raise bad_request(f"{prompt_field}: the prompt is empty", param=prompt_field)
-    if prompt_len >= context_len:
-        raise bad_request(f"{prompt_field}: the prompt has {prompt_len} tokens; the model's "
-                          f"context length is {context_len}", param=prompt_field)
-    if pool_tokens is not None and prompt_len + 1 > pool_tokens:
-        raise bad_request(f"{prompt_field}: the prompt has {prompt_len} tokens; the KV cache "
-                          f"holds {pool_tokens}", param=prompt_field)
+    problem = prompt_fit_problem(prompt_len, context_len, pool_tokens, prompt_field)
+    if problem:
+        raise bad_request(problem, param=prompt_field)
     overflow = context_overflow(prompt_len, max_new_tokens, context_len, max_field)
     if overflow:
         raise bad_request(overflow, param=max_field)
@@ -67,19 +64,10 @@ def context_overflow(prompt_len: int, max_new_tokens: int, context_len: int,
             f"exceed the context length of {context_len} tokens")
 
 
-def _surrogate_at(text: str) -> int | None:
-    """Where ``text`` stops being encodable as UTF-8 (a lone surrogate), or None."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        return e.start
-    return None
-
-
 def check_text(text: str, field_name: str) -> None:
     """400 when ``text`` cannot be encoded as UTF-8: JSON may escape a lone UTF-16 surrogate
     ("\\ud800") that json.loads keeps, and the tokenizer then fails with a TypeError."""
-    at = _surrogate_at(text)
+    at = surrogate_at(text)
     if at is not None:
         raise bad_request(f"{field_name}: not valid Unicode text (a lone surrogate at character "
                           f"{at})", param=field_name)

@@ -31,7 +31,7 @@ from .config import CACHE_EPOCH_HEADER, ERROR_TYPES, RouterConfig
 from .helper import HelperDied
 from .metrics import RouterMetrics
 from .policies import Policy, RequestInfo, least_loaded
-from .request import SSETail, answer_facts, stream_end, stream_text
+from .request import SSETail, answer_facts, answer_route_text, stream_end, stream_text
 from .retry import BREAKER_STATUS, RETRYABLE_STATUS, backoff_delay, is_restarting
 from .tree import ApproxRadixTree
 from .workers import Worker, WorkerRegistry
@@ -280,15 +280,10 @@ class Proxy:
                       mark: int) -> None:
         """The worker cached the answer after the prompt: a conversation's next turn (the
         prompt, the answer, a new message) then matches it there, not only its first turn.
-        Chat text is the messages joined by newlines (request.py), so the answer joins so.
         Nothing is learned if the tree forgot whole workers since ``mark`` (a flush or a
         restart after the answer: its entries must not come back)."""
-        if self.tree.forget_count != mark:
-            return
-        if route == "/v1/completions" and answer and answer.startswith(info.text):
-            answer = answer[len(info.text):]  # echo: the prompt came back in front
-        if answer and info.text and worker.url in self.registry:
-            text = info.text + ("\n" if route == "/v1/chat/completions" else "") + answer
+        text = answer_route_text(route, info.text, answer)
+        if text and self.tree.forget_count == mark and worker.url in self.registry:
             self.tree.insert(text, worker.url, worker.tree_limit)
 
     async def _send_stream(self, worker: Worker, route, raw, fwd, info, on_done):

@@ -212,6 +212,17 @@ def answer_text(obj) -> str | None:
     return text if isinstance(text, str) else None
 
 
+def answer_route_text(route: str, prompt_text: str, answer: str | None) -> str | None:
+    """The text a conversation's next turn starts with: the request's routing text, then its
+    answer, joined as ``request_text`` joins chat messages (by a newline); None if either is
+    empty. A completion's echo (the prompt again, in front of the answer) is dropped."""
+    if route == "/v1/completions" and answer and answer.startswith(prompt_text):
+        answer = answer[len(prompt_text):]
+    if not answer or not prompt_text:
+        return None
+    return prompt_text + ("\n" if route == "/v1/chat/completions" else "") + answer
+
+
 def stream_text(events: list[bytes]) -> str | None:
     """``answer_text`` of a whole stream of one answer (``SSETail.events``): a native stream's
     events carry the text so far, an OpenAI stream's each carry a piece of it."""

@@ -34,6 +34,19 @@ LogprobEntry = tuple  # (logprob or None, token id)
 MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
 
 
+def prompt_fit_problem(prompt_len: int, context_len: int, pool_size: int | None,
+                       field: str) -> str | None:
+    """Why a prompt can never run (it alone fills the context, or the KV cache with room for
+    one new token), worded with the caller's ``field``; None if it fits. The scheduler, the
+    HTTP checks and the Engine all ask this, each naming the field its caller wrote."""
+    if prompt_len >= context_len:
+        return (f"{field}: the prompt has {prompt_len} tokens; the model's context length is "
+                f"{context_len}")
+    if pool_size is not None and prompt_len + 1 > pool_size:
+        return f"{field}: the prompt has {prompt_len} tokens; the KV cache holds {pool_size}"
+    return None
+
+
 @dataclass(frozen=True)
 class FinishReason:
     """Why a request ended; ``to_dict`` gives SGLang's wire form."""

@@ -34,7 +34,7 @@ from .logprobs import attach_logprobs, collect_input_logprobs
 from .overlap import OverlapLoop
 from .policy import InBatchPrefixSharing, QueueView, make_policy
 from .prefill_adder import AddResult, PrefillAdder
-from .request import FinishReason, Req, RequestOutput
+from .request import FinishReason, Req, RequestOutput, prompt_fit_problem
 from .stats import SchedulerStats, scheduler_metrics
 from .stop import Decode, StopChecker
 from .token_ratio import CLIP_MAX_NEW_TOKENS, NewTokenRatio
@@ -106,12 +106,10 @@ class Scheduler:
         if self.vocab_size is not None and req.top_logprobs_num > self.vocab_size:
             raise ValueError(f"top_logprobs_num: must be in [0, {self.vocab_size}] (the vocab "
                              "size)")
-        if req.prompt_len >= self.max_context_len:
-            raise ValueError(f"input_ids: the prompt has {req.prompt_len} tokens; the context "
-                             f"length is {self.max_context_len}")
-        if req.prompt_len + 1 > self.cache.pool_size:
-            raise ValueError(f"input_ids: the prompt has {req.prompt_len} tokens; the KV pool "
-                             f"holds {self.cache.pool_size}")
+        problem = prompt_fit_problem(req.prompt_len, self.max_context_len, self.cache.pool_size,
+                                     "input_ids")
+        if problem:
+            raise ValueError(problem)
 
     def abort(self, rid: str, message: str = "aborted by request") -> bool:
         """Finish request ``rid`` with an abort reason; False if no such live request. A waiting

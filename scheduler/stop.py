@@ -190,7 +190,9 @@ class StopChecker:
         # detokenizer does), or a \W would match its replacement character
         text = text.rstrip(REPLACEMENT_CHAR)
         pos = len(self._decode(out[start:len(out) - window], sp)) if len(out) > window else 0
-        budget = self._budgets.setdefault(req, RegexBudget())
+        budget = self._budgets.get(req)
+        if budget is None:
+            budget = self._budgets[req] = RegexBudget()
         for p in sp.stop_regex:
             if budget.search(p, text, pos):
                 return p

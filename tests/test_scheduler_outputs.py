@@ -193,7 +193,7 @@ def test_add_request_rejects_what_can_never_run():
     with pytest.raises(ValueError, match="^input_ids: .*context length is 80"):
         sched.add_request(req("long", list(range(80))))
     sched, _ = make(pool=50, context=80)
-    with pytest.raises(ValueError, match="^input_ids: .*KV pool holds 50"):
+    with pytest.raises(ValueError, match="^input_ids: .*KV cache holds 50"):
         sched.add_request(req("big", list(range(60))))
     sched.add_request(req("dup", [1, 2, 3]))
     with pytest.raises(ValueError, match="^rid: "):

@@ -145,7 +145,7 @@ class SamplingParams:
             value = getattr(self, name)
             for text in [value] if isinstance(value, str) else value or ():
                 # JSON may escape a lone UTF-16 surrogate; no tokenizer or regex engine takes it
-                check(_encodable(text), name, "not valid Unicode text (a lone surrogate)")
+                check(surrogate_at(text) is None, name, "not valid Unicode text (a lone surrogate)")
         for pattern in self.stop_regex:
             _check_stop_regex(pattern)
         check(self.seed is None or is_int(self.seed), "seed", "must be an integer")
@@ -162,12 +162,14 @@ class SamplingParams:
                   f"token ids must be in [0, {vocab_size})")
 
 
-def _encodable(text: str) -> bool:
+def surrogate_at(text: str) -> int | None:
+    """Where ``text`` stops being encodable as UTF-8 (a lone surrogate, which JSON may escape
+    and json.loads keeps; no tokenizer or regex engine takes one), or None."""
     try:
         text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
 
 
 MAX_STOP_REGEX_CHARS = 512  # searched at every token: a long one stalled a whole replica
