@@ -104,8 +104,9 @@ class FakeWorker:
         self.cache.insert(text, "kv")
         return min(hit, max(len(text) - 1, 0))
 
-    def _output(self, text: str) -> str:
-        return "".join(chr(97 + (len(text) + i) % 26) for i in range(self.output_len))
+    def _output(self, text: str, copy: int = 0) -> str:
+        """The answer (copy ``copy`` of n starts one letter further on)."""
+        return "".join(chr(97 + (len(text) + copy + i) % 26) for i in range(self.output_len))
 
     async def _generation(self, request: Request):
         """(the request's body, None), or (None, the answer) when it is not to be served."""
@@ -154,8 +155,8 @@ class FakeWorker:
         n = (params.get("n") or 1) if isinstance(params, dict) else 1
         copies = []  # (prompt, cached, output) per copy, prompt-major; copies share the prompt
         for text in texts:
-            cached, out = self._cached(text), self._output(text)
-            copies += [(text, cached, out)] * n
+            cached = self._cached(text)
+            copies += [(text, cached, self._output(text, copy)) for copy in range(n)]
         multi = batch or n > 1
 
         def result(copy, index, n_out, done):
@@ -166,7 +167,8 @@ class FakeWorker:
             meta = {"id": f"{self.name}-{len(text)}", "prompt_tokens": len(text),
                     "completion_tokens": n_out, "cached_tokens": cached,
                     "finish_reason": finish, "e2e_latency": 0.0, "worker": self.name}
-            obj = {"text": out[:n_out], "output_ids": [ord(c) for c in out[:n_out]],
+            # ids as a tokenizer's: not the text's own code points
+            obj = {"text": out[:n_out], "output_ids": [1000 + ord(c) for c in out[:n_out]],
                    "meta_info": meta}
             return dict(obj, index=index) if multi and body.get("stream") else obj
 
@@ -184,16 +186,18 @@ class FakeWorker:
         if error is not None:
             return error
         text = request_text(body)
-        cached, out = self._cached(text), self._output(text)
+        n = body.get("n") or 1
+        cached, outs = self._cached(text), [self._output(text, copy) for copy in range(n)]
+        out = outs[0]
         chat = request.url.path.endswith("/chat/completions")
-        usage = {"prompt_tokens": len(text), "completion_tokens": len(out),
-                 "total_tokens": len(text) + len(out),
+        usage = {"prompt_tokens": len(text), "completion_tokens": n * len(out),
+                 "total_tokens": len(text) + n * len(out),
                  "prompt_tokens_details": {"cached_tokens": cached}}
         base = {"id": f"{self.name}-{len(text)}", "model": "fake", "created": 0,
                 "object": "chat.completion" if chat else "text_completion"}
 
-        def choice(piece, done, delta):
-            c = {"index": 0, "finish_reason": "length" if done else None}
+        def choice(piece, done, delta, index=0):
+            c = {"index": index, "finish_reason": "length" if done else None}
             if chat:
                 c["delta" if delta else "message"] = {"role": "assistant", "content": piece}
             else:
@@ -201,8 +205,8 @@ class FakeWorker:
             return c
 
         if body.get("stream"):
-            events = [dict(base, choices=[choice(ch, i + 1 == len(out), True)], usage=None)
-                      for i, ch in enumerate(out)]
+            events = [dict(base, choices=[choice(o[i], i + 1 == len(o), True, k)], usage=None)
+                      for i in range(len(out)) for k, o in enumerate(outs)]
             if self.stream_abort is not None:  # the replica's in-band error (openai_serving)
                 status = self.stream_abort.get("status_code", 500)
                 message = f"request aborted: {self.stream_abort.get('message')}"
@@ -211,7 +215,8 @@ class FakeWorker:
             elif (body.get("stream_options") or {}).get("include_usage"):
                 events.append(dict(base, choices=[], usage=usage))
             return self._stream(events)
-        return JSONResponse(dict(base, choices=[choice(out, True, False)], usage=usage))
+        return JSONResponse(dict(base, choices=[choice(o, True, False, k)
+                                                for k, o in enumerate(outs)], usage=usage))
 
     def _stream(self, events):
         async def gen():

@@ -30,6 +30,8 @@ class RequestInfo:
     # native: copies of each prompt in the answer, one n for all or one per prompt
     # (request.copies_per_prompt)
     copies: int | tuple[int, ...] = 1
+    by_ids: bool = False  # ``text`` spells the prompt's token ids (one character each)
+    continues: bool = False  # chat ``continue_final_message``: the answer extends the last one
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ from .config import CACHE_EPOCH_HEADER, ERROR_TYPES, RouterConfig
 from .helper import HelperDied
 from .metrics import RouterMetrics
 from .policies import Policy, RequestInfo, least_loaded
-from .request import SSETail, answer_facts, answer_route_text, stream_end, stream_text
+from .request import (SSETail, answer_events, answer_facts, answer_route_texts, stream_end,
+                      stream_texts)
 from .retry import BREAKER_STATUS, RETRYABLE_STATUS, backoff_delay, is_restarting
 from .tree import ApproxRadixTree
 from .workers import Worker, WorkerRegistry
@@ -267,8 +268,8 @@ class Proxy:
                 self._record_real(facts[0])
                 self._learn_answer(worker, route, info, facts[1], mark)
 
-            self.offload.book(len(resp.content), answer_facts, (resp.content, info.copies),
-                              learn)
+            self.offload.book(len(resp.content), answer_facts,
+                              (resp.content, info.copies, info.by_ids), learn)
         on_done(resp.status_code)
         return answer, emptied
 
@@ -276,14 +277,15 @@ class Proxy:
         if counts is not None:
             self.metrics.record_real(*counts)
 
-    def _learn_answer(self, worker: Worker, route: str, info, answer: str | None,
+    def _learn_answer(self, worker: Worker, route: str, info, answers: list[str],
                       mark: int) -> None:
-        """The worker cached the answer after the prompt: a conversation's next turn (the
-        prompt, the answer, a new message) then matches it there, not only its first turn.
+        """The worker cached each answer after the prompt: a conversation's next turn (the
+        prompt, an answer, a new message) then matches it there, not only its first turn.
         Nothing is learned if the tree forgot whole workers since ``mark`` (a flush or a
         restart after the answer: its entries must not come back)."""
-        text = answer_route_text(route, info.text, answer)
-        if text and self.tree.forget_count == mark and worker.url in self.registry:
+        if self.tree.forget_count != mark or worker.url not in self.registry:
+            return
+        for text in answer_route_texts(route, info, answers):
             self.tree.insert(text, worker.url, worker.tree_limit)
 
     async def _send_stream(self, worker: Worker, route, raw, fwd, info, on_done):
@@ -366,13 +368,10 @@ class Proxy:
                     self.metrics.errors.labels(worker.url, "stream").inc()
                 else:
                     self._record_real(counts)
-                    events = tail.events
-                    if route == "/generate":  # one answer, no index: its last event is all
-                        last = tail.last_events
-                        events = list(last.values()) if set(last) == {None} else None
+                    events = answer_events(route, tail, info.copies)
                     if events:  # in the background: the client's slot is freed meanwhile
                         self.offload.book(
-                            sum(map(len, events)), stream_text, (events,),
+                            sum(map(len, events)), stream_texts, (events, info.by_ids),
                             lambda answer: self._learn_answer(worker, route, info, answer, mark))
             outcome = state["outcome"]
             if outcome == "finished":

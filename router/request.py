@@ -72,14 +72,22 @@ def _messages_to_text(messages) -> str:
 def request_text(body: dict) -> str:
     """The text the tree routes on: ``text``, ``prompt``, ``messages`` or ``input_ids`` (the
     first one present); "" when none can be read."""
+    return routing_text(body)[0]
+
+
+def routing_text(body: dict) -> tuple[str, bool]:
+    """``request_text``, and whether it spells token ids (a prompt given as ids)."""
     for field in ("text", "prompt"):
-        if body.get(field) is not None:
-            return _prompt_to_text(body[field])
+        value = body.get(field)
+        if value is not None:
+            words = isinstance(value, str) or (isinstance(value, list) and bool(value)
+                                               and isinstance(value[0], str))
+            return _prompt_to_text(value), not words
     if body.get("messages") is not None:
-        return _messages_to_text(body["messages"])
+        return _messages_to_text(body["messages"]), False
     if body.get("input_ids") is not None:
-        return _ids_to_text(body["input_ids"])
-    return ""
+        return _ids_to_text(body["input_ids"]), True
+    return "", False
 
 
 def routing_key(body: dict, headers) -> str | None:
@@ -135,8 +143,10 @@ def read_request(raw: bytes, header_key: str | None, native: bool) -> RequestInf
     if not isinstance(body, dict):
         raise BadRequest("body: must be a JSON object")
     key = routing_key(body, {"x-routing-key": header_key} if header_key else {})
-    return RequestInfo(request_text(body), key, body.get("stream") is True,
-                       copies_per_prompt(body) if native else 1)
+    text, by_ids = routing_text(body)
+    return RequestInfo(text, key, body.get("stream") is True,
+                       copies_per_prompt(body) if native else 1, by_ids,
+                       body.get("continue_final_message") is True)
 
 
 def token_counts(obj) -> tuple[int, int] | None:
@@ -180,70 +190,98 @@ def answer_counts(raw: bytes, copies: int | tuple[int, ...]) -> tuple[int, int] 
     return answer_facts(raw, copies)[0]
 
 
-def answer_facts(raw: bytes, copies: int | tuple[int, ...]
-                 ) -> tuple[tuple[int, int] | None, str | None]:
-    """``answer_counts`` and ``answer_text`` of a whole JSON answer, parsed once."""
+def answer_facts(raw: bytes, copies: int | tuple[int, ...], by_ids: bool = False
+                 ) -> tuple[tuple[int, int] | None, list[str]]:
+    """``answer_counts`` and ``answer_texts`` of a whole JSON answer, parsed once. A native list
+    is learned from only when it holds one prompt's copies (a batch's other prompts are not
+    in the routing text)."""
     try:
         obj = json.loads(raw)
     except (ValueError, RecursionError):
-        return None, None  # not JSON: nothing to learn about the cache
+        return None, []  # not JSON: nothing to learn about the cache
     if not isinstance(obj, list):
-        return prompt_counts({None: obj}, 1), answer_text(obj)
+        return prompt_counts({None: obj}, 1), answer_texts(obj, by_ids)
+    texts = [t for o in obj for t in answer_texts(o, by_ids)] if len(obj) == copies else []
     fits = len(obj) % copies == 0 if isinstance(copies, int) else len(obj) == sum(copies)
     if not fits:
         copies = 1  # not the layout the request asked for: count what came
-    return prompt_counts(dict(enumerate(obj)), copies), None
+    return prompt_counts(dict(enumerate(obj)), copies), texts
 
 
-def answer_text(obj) -> str | None:
-    """The text one answer generated: native ``text``, a completion's ``choices[0].text``, a
-    chat reply's ``choices[0].message.content``; None for several choices or none. The engine
-    caches it after the prompt, so a conversation's next turn will start with both."""
+def answer_texts(obj, by_ids: bool = False) -> list[str]:
+    """The text each choice of one answer generated: native ``text`` (its ``output_ids`` when
+    the prompt was token ids), a completion's ``choices[i].text``, a chat reply's
+    ``choices[i].message.content``. The engine caches each after the prompt, so a
+    conversation's next turn starts with the prompt and one of them."""
     if not isinstance(obj, dict):
-        return None
+        return []
     if isinstance(obj.get("meta_info"), dict):
-        text = obj.get("text")
-        return text if isinstance(text, str) else None
+        text = _ids_to_text(obj.get("output_ids")) if by_ids else obj.get("text")
+        return [text] if isinstance(text, str) and text else []
     choices = obj.get("choices")
-    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
-        return None
-    message = choices[0].get("message")
-    text = message.get("content") if isinstance(message, dict) else choices[0].get("text")
-    return text if isinstance(text, str) else None
+    if by_ids or not isinstance(choices, list):  # an OpenAI answer spells no token ids
+        return []
+    texts = []
+    for choice in choices:
+        message = choice.get("message") if isinstance(choice, dict) else None
+        text = message.get("content") if isinstance(message, dict) else (
+            choice.get("text") if isinstance(choice, dict) else None)
+        if isinstance(text, str) and text:
+            texts.append(text)
+    return texts
 
 
-def answer_route_text(route: str, prompt_text: str, answer: str | None) -> str | None:
-    """The text a conversation's next turn starts with: the request's routing text, then its
-    answer, joined as ``request_text`` joins chat messages (by a newline); None if either is
-    empty. A completion's echo (the prompt again, in front of the answer) is dropped."""
-    if route == "/v1/completions" and answer and answer.startswith(prompt_text):
-        answer = answer[len(prompt_text):]
-    if not answer or not prompt_text:
-        return None
-    return prompt_text + ("\n" if route == "/v1/chat/completions" else "") + answer
+def answer_route_texts(route: str, info: RequestInfo, answers: list[str]) -> list[str]:
+    """The texts a conversation's next turn may start with: the request's routing text, then
+    one of its answers, joined as ``request_text`` joins chat messages (by a newline, none
+    when the answer continues the last message). A completion's echo (the prompt again, in
+    front of the answer) is dropped."""
+    prompt = info.text
+    joint = "\n" if route == "/v1/chat/completions" and not info.continues else ""
+    texts = []
+    for answer in answers:
+        if route == "/v1/completions" and answer.startswith(prompt):
+            answer = answer[len(prompt):]
+        if answer and prompt:
+            texts.append(prompt + joint + answer)
+    return texts
 
 
-def stream_text(events: list[bytes]) -> str | None:
-    """``answer_text`` of a whole stream of one answer (``SSETail.events``): a native stream's
-    events carry the text so far, an OpenAI stream's each carry a piece of it."""
+def stream_texts(events: list[bytes], by_ids: bool = False) -> list[str]:
+    """``answer_texts`` of a whole stream: given a native stream's last event of each answer
+    (each holds its text so far), or every event of an OpenAI stream (each carries a piece of
+    its choice's text)."""
     payloads = [p for p in map(_event_json, events) if isinstance(p, dict)]
-    if not payloads:
-        return None
-    if isinstance(payloads[-1].get("meta_info"), dict):
-        return answer_text(payloads[-1])
-    pieces = []
+    if payloads and all(isinstance(p.get("meta_info"), dict) for p in payloads):
+        return [t for p in payloads for t in answer_texts(p, by_ids)]
+    if by_ids:
+        return []
+    pieces: dict[int, list[str]] = {}
     for p in payloads:
         choices = p.get("choices")
         if not isinstance(choices, list):
-            return None
+            return []
         for choice in choices:
-            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                return None  # several choices
+            index = choice.get("index", 0) if isinstance(choice, dict) else None
+            if type(index) is not int:
+                return []
             delta = choice.get("delta")
             piece = delta.get("content") if isinstance(delta, dict) else choice.get("text")
             if isinstance(piece, str):
-                pieces.append(piece)
-    return "".join(pieces)
+                pieces.setdefault(index, []).append(piece)
+    return ["".join(p) for p in pieces.values() if p]
+
+
+def answer_events(route: str, tail: SSETail, copies: int | tuple[int, ...]
+                  ) -> list[bytes] | None:
+    """The events ``stream_texts`` reads: every event of an OpenAI stream (None past the cap),
+    the last event of each copy of a native stream's one prompt (None for a batch)."""
+    if route != "/generate":
+        return tail.events
+    last = tail.last_events
+    one_prompt = set(last) == {None} or (isinstance(copies, int)
+                                         and set(last) == set(range(copies)))
+    return list(last.values()) if one_prompt else None
 
 
 def server_error(obj) -> int | None:

@@ -201,8 +201,73 @@ def test_an_answer_learned_after_a_flush_does_not_bring_the_worker_back(servers)
     worker = router.registry.get(urls[0])
     mark = router.tree.forget_count  # an answer completes here ...
     assert client.post("/flush_cache").status_code == 200  # ... the cache is flushed ...
-    router.proxy._learn_answer(worker, "/generate", RequestInfo("hi there"), " answer", mark)
+    router.proxy._learn_answer(worker, "/generate", RequestInfo("hi there"), [" answer"], mark)
     assert router.tree.match("hi there answer").chars_for(urls[0]) == 0  # ... nothing back
-    router.proxy._learn_answer(worker, "/generate", RequestInfo("hi there"), " answer",
+    router.proxy._learn_answer(worker, "/generate", RequestInfo("hi there"), [" answer"],
                                router.tree.forget_count)
     assert router.tree.match("hi there answer").chars_for(urls[0]) == len("hi there answer")
+
+
+def _answers(route: str, response: httpx.Response, stream: bool) -> list[str]:
+    """Each choice's text of an answer (index order), streamed or not."""
+    if not stream:
+        obj = response.json()
+        objs = obj if isinstance(obj, list) else [obj]
+        if route == "/generate":
+            return [o["text"] for o in objs]
+        return [c["message"]["content"] if "message" in c else c["text"]
+                for c in obj["choices"]]
+    events = [json.loads(line[6:]) for line in response.text.splitlines()
+              if line.startswith("data: {")]
+    if route == "/generate":
+        last = {e.get("index"): e["text"] for e in events}
+        return [last[i] for i in sorted(last)]
+    texts: dict[int, str] = {}
+    for e in events:
+        for c in e["choices"]:
+            piece = c.get("text") or c.get("delta", {}).get("content") or ""
+            texts[c["index"]] = texts.get(c["index"], "") + piece
+    return [texts[i] for i in sorted(texts)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/generate", "/v1/completions"])
+def test_every_choice_of_an_answer_is_learned(servers, route, stream):
+    """With n > 1 the tree learned the prompt only: a next turn continuing any of the choices
+    (the engine cached all of them) matched only the prompt."""
+    fakes, urls = start_fakes(servers, 1)
+    client, router = start_router(servers, urls)
+    if route == "/v1/chat/completions":
+        body, prompt = {"messages": [{"role": "user", "content": "hi"}], "n": 3}, "hi\n"
+    elif route == "/generate":
+        body, prompt = {"text": "hi", "sampling_params": {"n": 3}}, "hi"
+    else:
+        body, prompt = {"prompt": "hi", "n": 3}, "hi"
+    answers = _answers(route, client.post(route, json={**body, "stream": stream}), stream)
+    assert len(set(answers)) == 3
+    for routed in (prompt + answer for answer in answers):
+        assert wait_until(lambda: router.tree.match(routed).chars_for(urls[0]) == len(routed))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_token_id_prompt_learns_its_output_ids(servers, stream):
+    """A native ``input_ids`` prompt is routed by its ids; its answer was learned as text
+    after them, which no next turn (ids again) ever matched."""
+    fakes, urls = start_fakes(servers, 1)
+    client, router = start_router(servers, urls)
+    r = client.post("/generate", json={"input_ids": [104, 105], "stream": stream})
+    out = json.loads(r.text.split("data: ")[-2]) if stream else r.json()
+    routed = "hi" + "".join(map(chr, out["output_ids"]))
+    assert wait_until(lambda: router.tree.match(routed).chars_for(urls[0]) == len(routed))
+
+
+def test_a_continued_message_is_learned_without_a_joint(servers):
+    """With ``continue_final_message`` the answer extends the last message: the next turn
+    holds "...partial answer", not "...partial\\nanswer" as it was learned."""
+    fakes, urls = start_fakes(servers, 1)
+    client, router = start_router(servers, urls)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}]
+    r = client.post("/v1/chat/completions",
+                    json={"messages": messages, "continue_final_message": True})
+    routed = "hi\nSure" + r.json()["choices"][0]["message"]["content"]
+    assert wait_until(lambda: router.tree.match(routed).chars_for(urls[0]) == len(routed))

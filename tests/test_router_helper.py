@@ -50,13 +50,13 @@ def slow_answer_counts(raw, copies):
     return answer_counts(raw, copies)
 
 
-def slow_answer_facts(raw, copies):
+def slow_answer_facts(raw, copies, by_ids=False):
     """answer_facts (what the proxy books), seconds late in a helper."""
     from radixray.router.request import answer_facts
 
     if in_helper():
         time.sleep(SLOW_ANSWER_S)
-    return answer_facts(raw, copies)
+    return answer_facts(raw, copies, by_ids)
 
 
 SLOW_ANSWER_S = 3.0
