@@ -37,6 +37,7 @@ class SwappableEngine:
         self._retiring: list[InProcessEngine] = []
         self._lock = threading.Lock()  # swap against stats: a total must never drop
         self._last_info: dict = {}  # what the last engine said of itself (kept while restarting)
+        self.own_totals: dict[str, float] = {}  # counters the replica keeps itself (restarts)
 
     def swap(self, engine: InProcessEngine | None) -> None:
         """Put ``engine`` in the slot (None while restarting). The engine taken out goes on
@@ -104,6 +105,7 @@ class SwappableEngine:
                 stats.update(RESTARTING_GAUGES)
             for key, total in self._retired_totals().items():
                 stats[key] = stats.get(key, 0) + total
+            stats.update(self.own_totals)
         # "since the replica started", as the counters: a new engine's own rate began at 0
         prompt = stats.get("prompt_tokens_total", 0)
         stats["cache_hit_rate"] = stats.get("cached_tokens_total", 0) / prompt if prompt else 0.0

@@ -54,6 +54,9 @@ COUNTERS = {
     "num_retracted_reqs_total": "Running requests retracted to free KV-cache memory.",
     "evicted_tokens_total": "Tokens evicted from the radix cache's device tier (also to make "
                             "room for host-tier loads).",
+    "engine_restarts_total": "Times a Ray replica restarted its ranks (a rank died or a step "
+                             "hung); kept across head restarts.",
+    "head_restarts_total": "Times Ray restarted a replica's head actor (its process died).",
 }
 
 # SGLang's TTFT buckets start at 0.1 s; tiny models on CPU answer in a few milliseconds, so

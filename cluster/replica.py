@@ -47,6 +47,7 @@ PLACEMENT_TIMEOUT_S = 1800.0  # how long a replica waits for a node with room fo
 PLACEMENT_PROGRESS_S = 60.0  # how often a replica still waiting for its nodes says so
 START_TIMEOUT_S = 1800.0  # loading the model on every rank and binding; then it failed
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+RESTART_KV_NAMESPACE = "radixray"
 
 
 def advertised_url(bind_host: str, port: int, node_ip: str) -> str:
@@ -97,6 +98,34 @@ def replica_actor_options(replica_id: str, node_id: str, namespace: str = NAMESP
             "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=True)}
 
 
+class RestartLedger:
+    """A replica's restart counts, kept in Ray's GCS key-value store so that they outlive its
+    head: ``engine`` counts the ranks' restarts (the supervisor's), ``head`` the times Ray
+    restarted the head actor. A fresh head (a new ``serve``) starts both from zero; a head Ray
+    restarted goes on from its predecessor's and adds one to ``head``. (Ray's internal KV is
+    the store its own libraries use for this; no public API holds a value across restarts.)"""
+
+    def __init__(self, namespace: str, replica_id: str, restarted: bool):
+        from ray.experimental import internal_kv
+
+        self._kv, self._key = internal_kv, f"restarts/{namespace}/{replica_id}".encode()
+        self.engine = self.head = 0
+        if restarted:
+            raw = internal_kv._internal_kv_get(self._key, namespace=RESTART_KV_NAMESPACE)
+            if raw:
+                self.engine, self.head = map(int, raw.split(b","))
+            self.head += 1
+        self.save()
+
+    def save(self) -> None:
+        self._kv._internal_kv_put(self._key, f"{self.engine},{self.head}".encode(),
+                                  overwrite=True, namespace=RESTART_KV_NAMESPACE)
+
+    def totals(self) -> dict[str, int]:
+        """As the metrics export them (counters: monotonic across head restarts too)."""
+        return {"engine_restarts_total": self.engine, "head_restarts_total": self.head}
+
+
 def runner_config(model_path: str, config: SchedulerConfig, runner_args: dict) -> RunnerConfig:
     """The model runner's configuration from the server arguments (SGLang names)."""
     return RunnerConfig(
@@ -132,11 +161,12 @@ class ReplicaServer:
         self.reserved_pg = reserved_pg  # the ranks' bundles, kept across restarts; None: per group
         self.tokenizer = AutoTokenizer.from_pretrained(runner_args["tokenizer_path"] or model_path)
         self.server_args = {**server_args, "device": runner_args["device"], "tp_size": tp_size}
-        self.restarts = 0
         self.group: WorkerGroup | None = None
         self.engine = SwappableEngine()
         self.pg_prefix = pg_name(namespace, replica_id) + "/"  # its worker groups' names
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self.restarts = RestartLedger(namespace, replica_id, restarted)
+        self.engine.own_totals = self.restarts.totals()
         if restarted:
             n = remove_placement_groups(self.pg_prefix)  # the dead head's; its ranks died with it
             log.warning("replica %s: head restarted by Ray; removed %d placement group(s) of "
@@ -199,7 +229,8 @@ class ReplicaServer:
                 "max_total_num_tokens": group.max_total_tokens,
                 "max_running_requests": group.max_running_requests,
                 "max_context_len": group.max_context_len,
-                "vocab_size": group.info["vocab_size"], "restarts": self.restarts,
+                "vocab_size": group.info["vocab_size"], "restarts": self.restarts.engine,
+                "head_restarts": self.restarts.head,
                 "disable_overlap_schedule": not scheduler.overlap,  # the effective choices
                 "enable_hierarchical_cache": group.host_pool_tokens > 0,
                 "host_pool_tokens": group.host_pool_tokens}
@@ -234,7 +265,9 @@ class ReplicaServer:
             self.group = None
         while not self._stop.is_set():
             try:
-                self.restarts += 1
+                self.restarts.engine += 1
+                self.restarts.save()
+                self.engine.own_totals = self.restarts.totals()
                 self._start_engine()
                 return
             except Exception as e:  # keep trying: a node may be coming back
@@ -253,7 +286,8 @@ class ReplicaServer:
             pids = group.pids() if group is not None else []
         except Exception:  # a rank died and the supervisor has not replaced the group yet
             pids = []
-        return {"url": self.get_url(), "restarts": self.restarts, "pid": os.getpid(),
+        return {"url": self.get_url(), "restarts": self.restarts.engine,
+                "head_restarts": self.restarts.head, "pid": os.getpid(),
                 "healthy": self.engine.ready, "worker_pids": pids,
                 "node_id": ray.get_runtime_context().get_node_id()}
 

@@ -118,15 +118,26 @@ def test_rank_killed_while_idle_restarts_the_replica(replica):
     assert r.status_code == 200 and "error" not in r.text
 
 
+def _restart_counters(url: str) -> tuple[float, float]:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("radixray:") and "restarts_total" in line}
+    return values["radixray:engine_restarts_total"], values["radixray:head_restarts_total"]
+
+
 def test_killed_head_comes_back_on_its_port(replica):
     """The head holds the scheduler and the HTTP server; Ray restarts it when its process dies,
-    and it serves again at the same URL (the router's static --worker-urls stay valid)."""
+    and it serves again at the same URL (the router's static --worker-urls stay valid). Its
+    restart counts go on (they started from 0 again, and no metric counted head restarts)."""
     import ray
 
     actor, url = replica
     _wait_healthy(url)
     live_groups, epoch = _live_placement_groups(), _cache_epoch(url)
-    head = ray.get(actor.info.remote())["pid"]
+    before = ray.get(actor.info.remote())
+    head = before["pid"]
+    assert before["restarts"] >= 1  # the earlier tests killed ranks
+    assert _restart_counters(url) == (before["restarts"], before["head_restarts"])
     os.kill(head, signal.SIGKILL)
     deadline, info = time.monotonic() + 120, {}
     while time.monotonic() < deadline:
@@ -143,6 +154,9 @@ def test_killed_head_comes_back_on_its_port(replica):
                      json={"input_ids": PROMPT, "sampling_params": _sampling(4)})
     assert out.status_code == 200 and len(out.json()["output_ids"]) == 4
     assert _cache_epoch(url) != epoch
+    assert (info["restarts"], info["head_restarts"]) == (before["restarts"],
+                                                         before["head_restarts"] + 1)
+    assert _restart_counters(url) == (info["restarts"], info["head_restarts"])
     # Ray keeps a restarted actor's placement groups: the new head removes its predecessor's,
     # else its bundles stay reserved and, on a full node, the new ranks never fit
     assert _live_placement_groups() == live_groups

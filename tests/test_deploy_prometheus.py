@@ -26,7 +26,7 @@ needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not insta
                                     "(apt-get install prometheus)")
 
 ALERTS = ["RadixrayReplicaDown", "RadixrayQueueGrowing", "RadixrayTTFTP99High",
-          "RadixrayKVCacheNearFull", "RadixrayRouterBreakerOpen"]
+          "RadixrayKVCacheNearFull", "RadixrayReplicaRestarted", "RadixrayRouterBreakerOpen"]
 
 
 def promtool(*args, cwd=PROM_DIR):

@@ -19,7 +19,8 @@ ISSUE_COUNTERS = ["prompt_tokens_total", "generation_tokens_total", "cached_toke
                   "num_requests_total", "num_aborted_requests_total",
                   "num_retracted_reqs_total", "evicted_tokens_total",
                   "host_cached_tokens_total",  # the last two: issue 11 (hierarchical cache)
-                  "hicache_copy_failures_total"]
+                  "hicache_copy_failures_total",
+                  "engine_restarts_total", "head_restarts_total"]  # a replica's restarts
 ISSUE_HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds",
                     "e2e_request_latency_seconds", "queue_time_seconds"]
 LABELS = {"model_name": "tiny-llama", "replica": "3"}
