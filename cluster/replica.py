@@ -22,6 +22,7 @@ wildcard address advertises its node's IP, which the router can reach from any n
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -35,6 +36,7 @@ from ..worker.model_runner import RunnerConfig
 from .async_engine import InProcessEngine
 from .engine import split_server_args
 from .engine_slot import RestartGate, SwappableEngine
+from .heap import freeze_startup_heap
 from .tp_worker import free_port
 from .worker_group import (WorkerGroup, WorkerGroupError, bundle_node_id, remove_placement_groups,
                            reserve_rank_bundles, resolve_device)
@@ -196,6 +198,7 @@ class ReplicaServer:
             self.engine.current.shutdown()
             self.group.shutdown()
             raise
+        freeze_startup_heap()  # (heap.py)
         threading.Thread(target=self._supervise, name="replica-supervisor", daemon=True).start()
 
     # ------------------------------------------------------------------ lifecycle
@@ -269,6 +272,7 @@ class ReplicaServer:
                 self.restarts.save()
                 self.engine.own_totals = self.restarts.totals()
                 self._start_engine()
+                freeze_startup_heap()  # the old engine's objects go first
                 return
             except Exception as e:  # keep trying: a node may be coming back
                 log.error("replica %s: restart failed: %s", self.replica_id, e)
@@ -288,6 +292,8 @@ class ReplicaServer:
             pids = []
         return {"url": self.get_url(), "restarts": self.restarts.engine,
                 "head_restarts": self.restarts.head, "pid": os.getpid(),
+                "gc_frozen_objects": {"head": gc.get_freeze_count(),
+                                      "ranks": group.gc_frozen_objects if group else []},
                 "healthy": self.engine.ready, "worker_pids": pids,
                 "node_id": ray.get_runtime_context().get_node_id()}
 

@@ -27,6 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..worker.forward_batch import ForwardBatch, ForwardOutput
 from ..worker.model_runner import RunnerConfig
+from .heap import freeze_startup_heap
 from .tp_worker import TPWorker, is_gpu_device
 
 
@@ -40,6 +41,11 @@ class RankActor(TPWorker):
         super().__init__(*args)
         if threading.current_thread() is threading.main_thread():  # (Ray runs __init__ there)
             signal.signal(signal.SIGTERM, lambda *_: os._exit(1))
+
+    def init(self, *args, **kwargs) -> dict:
+        info = super().init(*args, **kwargs)
+        info["gc_frozen_objects"] = freeze_startup_heap()  # the model is loaded (heap.py)
+        return info
 
 
 def resolve_device(requested: str, cluster_gpus: float | None = None) -> str:
@@ -122,6 +128,7 @@ class WorkerGroup:
         self.max_running_requests = self.info["max_running_requests"]
         self.max_context_len = self.info["max_context_len"]
         self.host_pool_tokens = min(i["host_pool_tokens"] for i in infos)
+        self.gc_frozen_objects = [i["gc_frozen_objects"] for i in infos]
         self.watch_refs = ([self.workers[0].watch.remote()]
                            + [w.follow.remote() for w in self.workers[1:]])
 

@@ -50,6 +50,17 @@ def test_tp2_replica_matches_hf_over_http(tp2_replica, tiny_llama_path):
     assert ray.get(actor.check_invariant.remote()) == 0
 
 
+def test_head_and_ranks_freeze_their_startup_heap(tp2_replica):
+    """A full collection over the ~300k objects start-up made held the GIL for 0.4-0.6 s,
+    stalling decode steps; each process of a replica freezes them once it is up (heap.py)."""
+    import ray
+
+    actor, _ = tp2_replica
+    frozen = ray.get(actor.info.remote())["gc_frozen_objects"]
+    assert frozen["head"] > 50_000 and len(frozen["ranks"]) == 2, frozen
+    assert all(n > 50_000 for n in frozen["ranks"]), frozen
+
+
 def test_killed_rank_aborts_inflight_then_replica_recovers(tp2_replica, tiny_llama_path):
     import ray
 
