@@ -108,7 +108,8 @@ class InProcessEngine:
         scheduler rejects it. Closing the iterator before the end aborts the request."""
         r = Req(req.rid, req.input_ids, req.sampling_params, return_logprob=req.return_logprob,
                 logprob_start_len=req.logprob_start_len, top_logprobs_num=req.top_logprobs_num,
-                priority=req.priority, routing_key=req.routing_key, extra_key=req.extra_key)
+                priority=req.priority, routing_key=req.routing_key, extra_key=req.extra_key,
+                probe=req.probe)
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         if not self.alive:
             raise RuntimeError(f"engine is not running ({self.failure or 'stopped'})")
@@ -145,7 +146,7 @@ class InProcessEngine:
             return False
         steps = self.steps
         req = GenerateRequest(f"health-{uuid.uuid4().hex}", self._health_ids,
-                              SamplingParams(max_new_tokens=1, temperature=0.0))
+                              SamplingParams(max_new_tokens=1, temperature=0.0), probe=True)
 
         async def one_token() -> bool:
             last = None

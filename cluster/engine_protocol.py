@@ -34,6 +34,7 @@ class GenerateRequest:
     priority: int = 0
     routing_key: str | None = None
     extra_key: str | None = None  # cache_salt / adapter id: never share a prefix across keys
+    probe: bool = False  # a health check: kept out of the metrics' counters
 
 
 @dataclass

@@ -82,10 +82,20 @@ def as_api_error(e: Exception) -> APIError:
 LARGE_BODY_BYTES = 64 << 10
 
 
+# A body naming a grammar (or tools, whose schemas become one) is prepared in a worker thread
+# too, whatever its size: checking a grammar parses it with xgrammar, which a 70-byte JSON
+# schema can keep busy for seconds (a regex ``pattern`` with a large repetition count:
+# ``scheduler/grammar.py`` refuses those, but the next such shape should not freeze the
+# replica's event loop either). xgrammar releases the GIL while it parses.
+GRAMMAR_MARKERS = (b'"json_schema"', b'"regex"', b'"ebnf"', b'"response_format"', b'"tools"')
+
+
 async def prepare_off_loop_if_large(request, prepare, *args):
     """``prepare(*args)`` (validation and tokenization of a request), in a worker thread when
-    the HTTP body is large, else inline. Exceptions (400s) propagate either way."""
-    if len(await request.body()) < LARGE_BODY_BYTES:  # read once already; cached
+    the HTTP body is large or names a grammar, else inline. Exceptions (400s) propagate
+    either way."""
+    body = await request.body()  # read once already; cached
+    if len(body) < LARGE_BODY_BYTES and not any(m in body for m in GRAMMAR_MARKERS):
         return prepare(*args)
     return await asyncio.to_thread(prepare, *args)
 

@@ -92,6 +92,9 @@ class SchedulerConfig:
               "must be a positive number of seconds")
         check(isinstance(self.enable_hierarchical_cache, bool), "enable_hierarchical_cache",
               "must be true or false")
+        check(not (self.enable_hierarchical_cache and self.disable_radix_cache),
+              "enable_hierarchical_cache", "needs the radix cache: it cannot be used with "
+              "disable_radix_cache (the host tier holds the tree's evicted prefixes)")
         for name in ("hicache_ratio", "hicache_size"):
             value = getattr(self, name)
             check(isinstance(value, (int, float)) and not isinstance(value, bool)

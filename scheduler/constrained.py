@@ -111,8 +111,8 @@ class ConstrainedDecoding:
                 continue
             try:
                 compiled = future.result()
-            except GrammarError as e:  # the client's grammar: a 400 on the OpenAI API
-                req.finish_reason = FinishReason.abort(str(e), status_code=400)
+            except GrammarError as e:  # the client's grammar (400), or no capacity now (503)
+                req.finish_reason = FinishReason.abort(str(e), status_code=e.status_code)
                 done.append((req, []))
                 continue
             req.grammar = self.backend.new_state(compiled, req.output_ids)

@@ -38,16 +38,24 @@ _XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+?:\d+: (Check failed: .*? is false: )
 # which lets raw control characters (U+0000-U+001F) through; JSON forbids them unescaped.
 _LOOSE_JSON_CHAR = r'[^\"\\\r\n]'
 _STRICT_JSON_CHAR = r'[^\0-\x1f\"\\\r\n]'
+# xgrammar turns a schema's regex ``pattern`` into rules at once, in time that grows with the
+# cube of its repetition counts: ``{10,2000}`` 0.6-1.4 s, ``{10,12000}`` ~50 s, ``{10,30000}``
+# over 5 minutes, with nothing able to stop it. Counts are bounded per pattern (each, and
+# their sum) so that one stays under ~0.3 s; a top-level ``regex`` is converted lazily.
+MAX_PATTERN_REPEAT = 1000
+MAX_PATTERN_REPEAT_SUM = 3000
+_REPEAT = re.compile(r"(?<!\\)\{(\d+)(?:,(\d*))?\}")
 
 
 class GrammarError(ValueError):
     """An invalid or uncompilable grammar. The message starts with the field name (the kind),
     like the HTTP layer's other 400s: ``"regex: Regex parsing error at position 4: ..."``."""
 
-    def __init__(self, kind: str, problem: str):
+    def __init__(self, kind: str, problem: str, status_code: int = 400):
         super().__init__(f"{kind}: {problem}")
         self.kind = kind
         self.problem = problem
+        self.status_code = status_code  # 503: the server's capacity, not the grammar
 
 
 def _problem(exc: BaseException) -> str:
@@ -61,9 +69,40 @@ def _normalize(kind: str, text) -> str:
         raise GrammarError("constraint", f"unknown kind {kind!r}; expected one of {KINDS}")
     if kind == "json_schema" and isinstance(text, (dict, bool)):
         text = json.dumps(text, sort_keys=True)  # a schema object from a client library
-    if not isinstance(text, str) or not text.strip():
+    # " " is a regex (one space) and an EBNF string can be blank only where it is invalid
+    if not isinstance(text, str) or not (text.strip() if kind == "json_schema" else text):
         raise GrammarError(kind, "must be a non-empty string")
     return text
+
+
+def _pattern_problem(schema_text: str) -> str | None:
+    """Why a JSON schema's regex patterns are too costly to convert (see MAX_PATTERN_REPEAT),
+    or None. Only ``pattern`` values and ``patternProperties`` keys are regexes."""
+    try:
+        stack = [json.loads(schema_text)]
+    except (ValueError, RecursionError):
+        return None  # xgrammar names the problem
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        patterns = [node.get("pattern")]
+        if isinstance(node.get("patternProperties"), dict):
+            patterns += list(node["patternProperties"])
+        for pattern in patterns:
+            if not isinstance(pattern, str):
+                continue
+            counts = [int(n) for m in _REPEAT.finditer(pattern) for n in m.groups() if n]
+            if counts and (max(counts) > MAX_PATTERN_REPEAT
+                           or sum(counts) > MAX_PATTERN_REPEAT_SUM):
+                return (f"pattern {pattern[:60]!r}: repetition counts above "
+                        f"{MAX_PATTERN_REPEAT} (or {MAX_PATTERN_REPEAT_SUM} together) are "
+                        "not supported; they make the grammar too costly to build")
+        stack.extend(node.values())
+    return None
 
 
 def _grammar(kind: str, text: str) -> xgr.Grammar:
@@ -108,6 +147,8 @@ def validate_grammar(kind: str, text) -> None:
 
 @functools.lru_cache(maxsize=1024)
 def _parse_problem(kind: str, text: str) -> str | None:
+    if kind == "json_schema" and (problem := _pattern_problem(text)):
+        return problem
     try:
         grammar = _grammar(kind, text)
     except Exception as exc:  # xgrammar raises RuntimeError and its own subclasses
@@ -128,7 +169,16 @@ class GrammarFuture:
         self.kind = kind
         self._future = future
         self._timeout_s = timeout_s
-        self._deadline = time.monotonic() + timeout_s
+        self._submitted = time.monotonic()
+
+    @property
+    def _deadline(self) -> float:
+        """``timeout_s`` after the later of this submit and the compilation's start (set by
+        the pool thread): time queued behind other requests' grammars does not count."""
+        started = getattr(self._future, "started_at", None)
+        if started is None:
+            return float("inf")  # queued: the pool threads free up within a timeout each
+        return max(started, self._submitted) + self._timeout_s
 
     def done(self) -> bool:
         """True once ``result()`` returns or raises without waiting (compiled, failed, or past
@@ -147,9 +197,9 @@ class GrammarFuture:
     def result(self, wait: bool = False) -> xgr.CompiledGrammar:
         """The compiled grammar. Raises ``GrammarError`` if compilation failed or timed out, and
         ``RuntimeError`` if not ``done()`` (unless ``wait``: then block up to the deadline)."""
-        if not self._future.done() and wait:
-            try:
-                self._future.result(timeout=max(self._deadline - time.monotonic(), 0))
+        while not self._future.done() and wait and time.monotonic() < self._deadline:
+            try:  # (the deadline is unknown until the compilation starts)
+                self._future.result(timeout=min(max(self._deadline - time.monotonic(), 0), 1.0))
             except (TimeoutError, GrammarError):
                 pass
         if not self._future.done():
@@ -182,6 +232,9 @@ class GrammarBackend:
         self._lock = threading.Lock()
         self.num_compiles = 0  # compilations started (cache misses)
         self._compiling: set[threading.Thread] = set()  # compile threads still running
+        # Compilations past their timeout run on (Python cannot stop them); at most this many
+        # threads compile at once, so a client's costly grammars cannot take every core.
+        self.max_live_compiles = 2 * num_threads
 
     def submit(self, kind: str, text) -> GrammarFuture:
         """Start compiling (or reuse the cached or in-flight compilation of) ``(kind, text)``.
@@ -217,6 +270,13 @@ class GrammarBackend:
         worker = threading.Thread(target=self._compile_into, args=(future, kind, text),
                                   name="grammar-compile", daemon=True)
         with self._lock:  # started under the lock: shutdown only ever joins started threads
+            if len(self._compiling) >= self.max_live_compiles:
+                self._cache.pop((kind, text), None)  # not the grammar's fault: try it later
+                future.set_exception(GrammarError(
+                    kind, f"{len(self._compiling)} grammars are still compiling past their "
+                          "timeout; try again later", status_code=503))
+                return
+            future.started_at = time.monotonic()
             self._compiling.add(worker)
             worker.start()
         worker.join(self.compile_timeout_s)

@@ -86,7 +86,8 @@ class Req:
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams | None = None,
                  *, return_logprob: bool = False, logprob_start_len: int = -1,
                  top_logprobs_num: int = 0, priority: int | None = None,
-                 routing_key: str | None = None, extra_key: str | None = None):
+                 routing_key: str | None = None, extra_key: str | None = None,
+                 probe: bool = False):
         if not isinstance(rid, str) or not rid:
             raise ValueError("rid: must be a non-empty string")
         if not isinstance(input_ids, (list, tuple)) or not input_ids:
@@ -119,6 +120,7 @@ class Req:
         self.priority = priority
         self.routing_key = routing_key
         self.extra_key = extra_key
+        self.probe = probe  # a health check: served as any request, kept out of the counters
         self.arrival = next(_arrival_counter)  # FCFS order, kept across retractions
         # Seconds from submission until a prefill batch first took the request (its first
         # chunk, not its first token): the queue time the metrics report. None while it waits.

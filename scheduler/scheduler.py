@@ -335,7 +335,7 @@ class Scheduler:
             else:
                 new_ids = [next_ids[i]]
                 req.output_ids.append(next_ids[i])
-                self.stats.generated_tokens += 1
+                self.stats.generated_tokens += not req.probe
                 req.finish_reason = self.stop.check(req)
                 if req.grammar is not None:  # accept it; may finish the request or jump
                     new_ids = self.grammars.on_token(req)
@@ -381,13 +381,9 @@ class Scheduler:
         if req is self.chunked_req:
             self.chunked_req = None
         self.live.pop(req.rid, None)
-        self.stats.num_finished += 1
-        self.stats.num_aborted += req.finish_reason.type == "abort"
-        self.stats.prompt_tokens += req.prompt_len
-        self.stats.cached_tokens += req.cached_tokens
-        self.stats.host_cached_tokens += req.host_cached_tokens
         if not self.live:  # the engine stops stepping when idle: reset the estimate now
             self.ratio.on_idle()
+        self.stats.count_finished(req)
 
     # ------------------------------------------------------------------ introspection
     def check_invariant(self) -> None:

@@ -27,6 +27,16 @@ class SchedulerStats:
     host_cached_tokens: int = 0  # of cached_tokens, those loaded from the host tier
     generated_tokens: int = 0
 
+    def count_finished(self, req) -> None:
+        """Count a finished request, unless it is a health probe (``Req.probe``)."""
+        if req.probe:
+            return
+        self.num_finished += 1
+        self.num_aborted += req.finish_reason.type == "abort"
+        self.prompt_tokens += req.prompt_len
+        self.cached_tokens += req.cached_tokens
+        self.host_cached_tokens += req.host_cached_tokens
+
 
 def scheduler_metrics(sched: "Scheduler") -> dict:
     """A scheduler's gauges and cumulative counters, named as cluster/metrics.py expects them."""

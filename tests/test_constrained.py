@@ -253,9 +253,15 @@ def test_grammar_queue_timeout_abort_and_gauge(tiny_llama_path):
 
     with engine(tiny_llama_path, grammar_compile_timeout=0.3) as e:
         s = e.scheduler
-        gate = threading.Event()
-        for _ in range(2):  # occupy both compile threads
-            s.grammars.backend._pool.submit(gate.wait)
+        backend, gate = s.grammars.backend, threading.Event()
+        real = backend._compile
+
+        def compile_(kind, text):  # "...x" stands for a grammar that takes long to compile
+            if text.endswith("x"):
+                gate.wait()
+            return real(kind, text)
+
+        backend._compile = compile_
         ids = e.tokenizer.encode("hi")
         s.add_request(Req("slow", ids, SamplingParams(regex="[a-z]+x", max_new_tokens=8)))
         s.add_request(Req("gone", ids, SamplingParams(regex="[a-z]+y", max_new_tokens=8)))
@@ -344,3 +350,29 @@ def test_serve_flags():
     assert config.disable_jump_forward and config.grammar_compile_timeout == 5.0
     with pytest.raises(ValueError, match="^grammar_compile_timeout: must be a positive"):
         SchedulerConfig(grammar_compile_timeout=0)
+
+
+@pytest.mark.parametrize("body,off_loop", [
+    (b'{"text": "a", "sampling_params": {"json_schema": "{}"}}', True),
+    (b'{"messages": [], "response_format": {"type": "json_object"}}', True),
+    (b'{"messages": [], "tools": []}', True),
+    (b'{"text": "a", "sampling_params": {"max_new_tokens": 4}}', False),
+])
+def test_requests_with_a_grammar_are_prepared_off_the_event_loop(body, off_loop):
+    """Checking a grammar parses it with xgrammar; a 70-byte schema kept it busy for tens of
+    seconds on the replica's event loop (every request and /health waited). xgrammar releases
+    the GIL, so in a worker thread the loop goes on."""
+    import asyncio
+
+    from radixray.cluster.generation import prepare_off_loop_if_large
+
+    class Request:
+        async def body(self):
+            return body
+
+    async def main():
+        loop_thread = threading.get_ident()
+        ran_in = await prepare_off_loop_if_large(Request(), threading.get_ident)
+        return ran_in != loop_thread
+
+    assert asyncio.run(main()) is off_loop

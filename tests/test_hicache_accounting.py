@@ -132,3 +132,26 @@ def test_server_info_says_whether_the_host_tier_is_on(tiny_llama_path):
     with Engine(tiny_llama_path, max_total_tokens=512, enable_hierarchical_cache=True) as eng:
         assert eng.server_args["enable_hierarchical_cache"] is True
         assert eng.server_args["host_pool_tokens"] == 1024
+
+
+def test_host_tier_without_the_radix_cache_is_refused():
+    """The scheduler builds no host tier without the radix cache, yet the workers allocated
+    its pool and /get_server_info reported it on (with --hicache-size, GBs wasted per rank)."""
+    with pytest.raises(ValueError, match="^enable_hierarchical_cache: needs the radix cache"):
+        SchedulerConfig(enable_hierarchical_cache=True, disable_radix_cache=True)
+
+
+def test_host_pool_size_is_in_gb_and_bounded_by_free_memory(monkeypatch, caplog):
+    """--hicache-size was read as GiB (7.4% more than SGLang's GB); and a pool near the
+    machine's free memory was zeroed until the kernel swapped or killed the process."""
+    import torch
+
+    from radixray.worker import host_pool
+    from radixray.worker.host_pool import HostKVPool, host_pool_tokens
+
+    assert host_pool_tokens(1000, 1000, 2.0, 1.0) == 1_000_000  # 1 GB of 1,000-byte tokens
+    args = (1, 2, 2, 8, torch.float32, "cpu")  # page, layers, kv heads, head dim: 256 B/token
+    monkeypatch.setattr(host_pool, "available_host_bytes", lambda: 256 * 1000)
+    assert HostKVPool.try_create(500, *args) is not None  # ~50% of what is free
+    assert HostKVPool.try_create(900, *args) is None  # over 80%: the tier is off, logged
+    assert "hierarchical cache off" in caplog.text

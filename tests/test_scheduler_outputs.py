@@ -263,3 +263,23 @@ def test_queue_time_ends_when_the_first_chunk_is_scheduled():
     assert time.perf_counter() - submitted >= 10 * 0.05
     assert first.queue_time is not None and first.queue_time < 0.25
     assert all(out.queue_time == first.queue_time for out in results["a"].outputs)
+
+
+def test_health_probes_are_served_but_not_counted():
+    """The router's /health (every 10 s per replica) is a real one-token generation; it moved
+    every counter of an idle replica, and one cut at the health timeout counted as an aborted
+    request, firing alerts on aborts with no client affected."""
+    sched, _ = make(pool=512)
+    probes = [req(f"health-{i}", [1], 1, probe=True) for i in range(3)]
+    cut = req("health-cut", [1], 50, probe=True)
+    results = {}
+    for r in [req("client", list(range(10, 40)), 3), *probes, cut]:
+        sched.add_request(r)
+    collect(results, sched.step())
+    sched.abort("health-cut")  # the health timeout cut it
+    run(sched, results=results)
+    assert all(results[r.rid].outputs[-1].finished for r in probes)  # probes are served
+    assert len(results["client"].tokens) == 3
+    m = sched.metrics()
+    assert (m["num_requests_total"], m["num_aborted_requests_total"]) == (1, 0)
+    assert (m["prompt_tokens_total"], m["generation_tokens_total"]) == (30, 3)

@@ -35,11 +35,27 @@ from .forward_batch import ForwardBatch
 log = logging.getLogger(__name__)
 
 
+HOST_MEMORY_SHARE = 0.8  # of the memory available at start-up, at most, for a host pool
+
+
+def available_host_bytes() -> int | None:
+    """Memory the kernel says is available for new allocations (MemAvailable), or None where
+    there is no /proc/meminfo."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def host_pool_tokens(device_tokens: int, bytes_per_token: int, ratio: float,
                      size_gb: float, page_size: int = 1) -> int:
-    """Host pool size in tokens: ``size_gb`` GB of this rank's KV when > 0, else ``ratio``
-    times the device pool; rounded down to whole pages."""
-    tokens = int(size_gb * 2**30 // bytes_per_token) if size_gb > 0 else int(ratio * device_tokens)
+    """Host pool size in tokens: ``size_gb`` GB (10**9 bytes, as SGLang) of this rank's KV when
+    > 0, else ``ratio`` times the device pool; rounded down to whole pages."""
+    tokens = int(size_gb * 1e9 // bytes_per_token) if size_gb > 0 else int(ratio * device_tokens)
     return tokens - tokens % page_size
 
 
@@ -77,6 +93,16 @@ class HostKVPool:
         if num_tokens <= 0:
             log.warning("hierarchical cache off: --hicache-ratio/--hicache-size give a host "
                         "pool of %d tokens", num_tokens)
+            return None
+        page_size, num_layers, kv_heads, head_dim, dtype = args[:5]
+        need = (num_tokens + page_size) * num_layers * 2 * kv_heads * head_dim * dtype.itemsize
+        free = available_host_bytes()
+        if free is not None and need > HOST_MEMORY_SHARE * free:
+            # zeroing a pool near the machine's free memory swaps or gets the process killed
+            # instead of failing the allocation
+            log.warning("hierarchical cache off: a host pool of %d tokens needs %.2f GB, more "
+                        "than %d%% of the %.2f GB available", num_tokens, need / 1e9,
+                        HOST_MEMORY_SHARE * 100, free / 1e9)
             return None
         try:
             return cls(num_tokens, *args)

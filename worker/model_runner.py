@@ -8,6 +8,7 @@ every rank runs the same code so collectives line up.
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from .parallel import TensorParallel
 from .sampler import Sampler, token_logprobs, top_logprobs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+log = logging.getLogger(__name__)
 CPU_KV_BUDGET_BYTES = 1 << 30  # default KV pool on CPU when neither size nor fraction is given
 MAX_DEFAULT_TOKENS = 1 << 17
 
@@ -94,6 +96,11 @@ class ModelRunner:
                 cfg.hicache_ratio, cfg.hicache_size, cfg.page_size)
             self.host_pool = HostKVPool.try_create(tokens, cfg.page_size, mc.num_layers,
                                                    kv_heads, mc.head_dim, dtype, self.device)
+            if self.host_pool is not None and tokens <= self.max_total_tokens:
+                log.warning("the host KV pool (%d tokens) is not larger than the device pool "
+                            "(%d): a prefix is copied to the host only if it fits there, so "
+                            "expect few host hits; raise --hicache-ratio above 1",
+                            tokens, self.max_total_tokens)
         self.host_pool_tokens = self.host_pool.num_tokens if self.host_pool else 0
         self.attention_backend = pick_attention_backend(cfg.attention_backend, self.device,
                                                         mc.head_dim, dtype)
