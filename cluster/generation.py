@@ -231,11 +231,18 @@ class ServingContext:
         return sorted(rids & registered)
 
     def open_session(self, client_rid: str, reqs: list[GenerateRequest],
-                     prompts: dict[str, set[str]] | None = None) -> "Session":
+                     prompts: dict[str, set[str]] | None = None,
+                     size_field: str = "n") -> "Session":
         """Admit ``reqs`` (429 when the waiting requests would exceed max_queued_requests; 400
-        when a rid is already live or given twice) and register them under ``client_rid``;
-        ``prompts``: a batch prompt's rid -> the engine rids of its n > 1 copies."""
+        naming ``size_field`` when they alone do, so that no retry could help; 400 when a rid
+        is already live or given twice) and register them under ``client_rid``; ``prompts``:
+        a batch prompt's rid -> the engine rids of its n > 1 copies."""
         rids = [r.rid for r in reqs]
+        limit = self.max_queued_requests
+        if limit is not None and len(rids) > limit:
+            raise bad_request(f"{size_field}: the request asks for {len(rids)} sequences "
+                              f"(prompts x n), more than max_queued_requests ({limit}) lets "
+                              "wait at once; send fewer", param=size_field)
         live = set().union(*self.live.values()) if self.live else set()
         taken = [r for r in rids if r in live] or ([client_rid] if client_rid in self.live else [])
         if taken:

@@ -302,7 +302,9 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
             new_rid("batch-") if batch else firsts[0].rid)
         prompts = {first.rid: {c.rid for c in group} for first, group in zip(firsts, copies)
                    if batch and len(group) > 1}
-        session = ctx.open_session(key, flat, prompts)
+        size_field = ("sampling_params.n" if len(flat) > len(firsts)
+                      else "text" if body.text is not None else "input_ids")
+        session = ctx.open_session(key, flat, prompts, size_field)
         with_text = bool(body.return_text_in_logprobs)
         multi = batch or len(flat) > 1
         if body.stream:

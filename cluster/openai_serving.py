@@ -56,7 +56,8 @@ def _streaming(events, session: Session) -> StreamingResponse:
 async def completions(request: Request, ctx: ServingContext, body: oa.CompletionRequest):
     batch = await prepare_off_loop_if_large(request, oa.completion_requests, body, ctx)
     firsts, copies = batch.firsts, batch.copies
-    session = ctx.open_session(batch.rid, [r for group in copies for r in group])
+    session = ctx.open_session(batch.rid, [r for group in copies for r in group], None,
+                               "n" if any(len(group) > 1 for group in copies) else "prompt")
     if isinstance(body.prompt, str):
         prompts = [body.prompt]
     elif all(isinstance(p, str) for p in body.prompt):

@@ -257,6 +257,8 @@ def run_serve(args: argparse.Namespace) -> int:
         for name in ("tp_size", "replicas"):
             if getattr(args, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
+        if args.max_queued_requests is not None and args.max_queued_requests < 1:
+            raise ValueError("max_queued_requests: must be >= 1 (leave it out for no limit)")
         if not 0 < args.health_check_timeout < math.inf:
             raise ValueError("health_check_timeout: must be a number of seconds > 0")
         if not 0 <= args.placement_timeout < math.inf:

@@ -196,3 +196,30 @@ def test_an_empty_text_is_the_bos_token_alone(client):
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 1, r.text
     r = client.post("/generate", json={"input_ids": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input_ids"
+
+
+def test_more_sequences_than_the_queue_limit_is_a_400_not_a_429(engine, tiny_llama_path):
+    """A request of n copies or prompts beyond --max-queued-requests was a 429 "retry later"
+    on an idle server: no retry could ever succeed (and the router retried it)."""
+    with ServerThread(engine, tiny_llama_path, max_queued_requests=2) as url, \
+            httpx.Client(base_url=url, timeout=60) as client:
+        small = {"max_new_tokens": 2}
+        for path, body, field in (
+                ("/generate", {"text": "q", "sampling_params": {**small, "n": 3}},
+                 "sampling_params.n"),
+                ("/generate", {"text": ["a", "b", "c"], "sampling_params": small}, "text"),
+                ("/generate", {"input_ids": [[5], [6], [7]], "sampling_params": small},
+                 "input_ids"),
+                ("/v1/completions", {"model": MODEL_NAME, "prompt": "q", "n": 3,
+                                     "max_tokens": 2}, "n"),
+                ("/v1/completions", {"model": MODEL_NAME, "prompt": ["a", "b", "c"],
+                                     "max_tokens": 2}, "prompt"),
+                ("/v1/chat/completions", {"model": MODEL_NAME, "n": 3, "max_tokens": 2,
+                                          "messages": [{"role": "user", "content": "q"}]}, "n")):
+            r = client.post(path, json=body)
+            assert r.status_code == 400, (path, r.text)
+            err = r.json() if path.startswith("/v1/") else r.json()["error"]
+            assert err["param"] == field and "max_queued_requests (2)" in err["message"]
+        r = client.post("/generate", json={"text": "q", "sampling_params": {**small, "n": 2}})
+        assert r.status_code == 200 and len(r.json()) == 2
+    assert engine.check_invariant() == 0

@@ -49,6 +49,10 @@ def test_bad_flag_value_names_it(tiny_llama_path):
     r = _serve(["--model", tiny_llama_path, "--health-check-timeout", "nan", "--port",
                 str(free_port())])
     assert r.returncode == 2 and "health_check_timeout: must be" in r.stderr
+    # 0 refused every request with a 429 while /health said 200: the router kept sending
+    r = _serve(["--model", tiny_llama_path, "--max-queued-requests", "0", "--port",
+                str(free_port())])
+    assert r.returncode == 2 and "max_queued_requests: must be >= 1" in r.stderr
 
 
 def test_serve_without_model_uses_the_default_model(tiny_llama_path, tmp_path):
