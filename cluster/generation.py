@@ -59,14 +59,19 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param, err_type="BadRequestError")
 
 
-def abort_error(finish_reason: dict | None) -> APIError:
+def abort_error(finish_reason: dict | None, fields: dict[str, str] | None = None) -> APIError:
     """The error for a request that ended with an abort: its own status (400: its input; 5xx:
     the engine failed under it), else 400. An abort without one was asked for (/abort_request)
     or is about the request itself (it outgrew the KV pool): a 500 there made the router retry
-    it on another replica and count it against this one's circuit breaker."""
+    it on another replica and count it against this one's circuit breaker. A client error the
+    scheduler words by a name in ``fields`` (its grammar's kind: ``"json_schema: ..."``) is
+    reworded to name the client's own field (``response_format``), as the 400s before it."""
     reason = finish_reason or {}
-    return APIError(reason.get("status_code", 400),
-                    f"request aborted: {reason.get('message') or 'no reason given'}")
+    status, message = reason.get("status_code", 400), reason.get("message") or "no reason given"
+    name, sep, problem = message.partition(": ")
+    if sep and fields and name in fields and status < 500:
+        return APIError(status, f"{fields[name]}: {problem}", param=fields[name])
+    return APIError(status, f"request aborted: {message}")
 
 
 def as_api_error(e: Exception) -> APIError:

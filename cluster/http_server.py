@@ -24,6 +24,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from .. import __version__
+from ..scheduler.grammar import KINDS as GRAMMAR_KINDS
 from ..router.config import CACHE_EPOCH_HEADER
 from . import native_api, openai_api, tokenize_api
 from .engine_protocol import HEALTH_CHECK_TIMEOUT_S, EngineClient
@@ -320,7 +321,8 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
         failed = next((s for s in states if (s.finish_reason or {}).get("status_code", 0) >= 400),
                       None)
         if failed is not None:  # the client's input (400) or the engine under it (5xx) ended
-            raise abort_error(failed.finish_reason)  # it; a plain abort (no status) stays a 200
+            raise abort_error(failed.finish_reason,  # it; a plain abort (no status): a 200
+                              {kind: f"sampling_params.{kind}" for kind in GRAMMAR_KINDS})
         results = [native_api.native_result(s, tokenizer, with_text) for s in states]
         return results if multi else results[0]
 

@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from ..scheduler.grammar import KINDS as GRAMMAR_KINDS
 from . import openai_api as oa
 from . import openai_responses as res
 from .generation import (SSE_DONE, APIError, RequestState, ServingContext, Session,
@@ -23,14 +24,23 @@ from .tool_calls import ToolPlan, ToolStream
 
 
 def _error_event(err: APIError) -> str:
-    return sse({"error": {"message": err.message, "type": err.err_type, "code": err.code}})
+    return sse({"error": {"message": err.message, "type": err.err_type, "param": err.param,
+                          "code": err.code}})
 
 
 def _is_abort(state: RequestState) -> bool:
     return state.finished and (state.finish_reason or {}).get("type") == "abort"
 
 
-async def _run(request: Request, ctx: ServingContext, session: Session, firsts, copies):
+def _grammar_fields(body) -> dict[str, str]:
+    """The client's field behind each grammar kind, for a grammar error from the scheduler."""
+    field = ("response_format" if getattr(body, "response_format", None) is not None
+             else "tools" if getattr(body, "tools", None) else None)
+    return {kind: field or kind for kind in GRAMMAR_KINDS}
+
+
+async def _run(request: Request, ctx: ServingContext, session: Session, firsts, copies,
+               fields: dict[str, str]):
     """Final states, or a 499 response when the client went away, or an abort error."""
     try:
         states = await until_disconnect(request, collect_states(ctx, firsts, copies))
@@ -40,7 +50,7 @@ async def _run(request: Request, ctx: ServingContext, session: Session, firsts, 
         return states
     aborted = next((s for s in states if _is_abort(s)), None)
     if aborted is not None:
-        raise abort_error(aborted.finish_reason)
+        raise abort_error(aborted.finish_reason, fields)
     return states
 
 
@@ -67,7 +77,7 @@ async def completions(request: Request, ctx: ServingContext, body: oa.Completion
                    else "" for r in firsts]
     if body.stream:  # never with best_of > n (a 400)
         return _streaming(_completion_events(ctx, body, batch, prompts, session), session)
-    states = await _run(request, ctx, session, firsts, copies)
+    states = await _run(request, ctx, session, firsts, copies, _grammar_fields(body))
     if isinstance(states, Response):
         return states
     candidates = len(copies[0])
@@ -89,7 +99,7 @@ async def _completion_events(ctx, body: oa.CompletionRequest, batch: oa.Completi
         async with aclosing(run_all(ctx, firsts, copies)) as updates:
             async for i, state in updates:
                 if _is_abort(state):
-                    yield _error_event(abort_error(state.finish_reason))
+                    yield _error_event(abort_error(state.finish_reason, _grammar_fields(body)))
                     break
                 first = i not in sent_logprobs
                 text = (prompts[i // n] if body.echo and first else "") + state.delta
@@ -139,7 +149,7 @@ async def chat_completions(request: Request, ctx: ServingContext,
     session = ctx.open_session(first.rid, copies)
     if body.stream:
         return _streaming(_chat_events(ctx, body, first, copies, session, plan), session)
-    states = await _run(request, ctx, session, [first], [copies])
+    states = await _run(request, ctx, session, [first], [copies], _grammar_fields(body))
     if isinstance(states, Response):
         return states
     choices = [res.chat_choice(i, s, body, ctx.tokenizer, plan) for i, s in enumerate(states)]
@@ -166,7 +176,7 @@ async def _chat_events(ctx, body: oa.ChatCompletionRequest, first, copies, sessi
         async with aclosing(run_all(ctx, [first], [copies])) as updates:
             async for i, state in updates:
                 if _is_abort(state):
-                    yield _error_event(abort_error(state.finish_reason))
+                    yield _error_event(abort_error(state.finish_reason, _grammar_fields(body)))
                     break
                 if i not in started:
                     started[i] = 0

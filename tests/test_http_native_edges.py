@@ -46,7 +46,27 @@ def test_a_client_error_abort_is_a_400_not_a_200(client):
     native API answered 200 with empty text (SGLang's frontend then returned "")."""
     r = client.post("/generate", json={"text": "a", "sampling_params": {"regex": "[^\\s\\S]"}})
     assert r.status_code == 400, r.text
-    assert "regex: no text satisfies the grammar" in r.json()["error"]["message"]
+    err = r.json()["error"]  # named as the client's field (it said "request aborted: regex")
+    assert err["message"] == "sampling_params.regex: no text satisfies the grammar"
+    assert err["param"] == "sampling_params.regex"
+    for stream in (False, True):
+        r = client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "a",
+                                                 "regex": "[^\\s\\S]", "stream": stream})
+        err = (json.loads(r.text.split("data: ")[1]).get("error") if stream else r.json())
+        assert (err["param"], err["message"]) == ("regex",
+                                                  "regex: no text satisfies the grammar"), r.text
+
+
+def test_a_grammar_error_from_the_scheduler_names_the_clients_field():
+    from radixray.cluster.generation import abort_error
+
+    reason = {"type": "abort", "status_code": 400,
+              "message": "json_schema: compilation timed out after 30 s"}
+    err = abort_error(reason, {"json_schema": "response_format"})
+    assert (err.status, err.param) == (400, "response_format")
+    assert err.message == "response_format: compilation timed out after 30 s"
+    busy = {**reason, "status_code": 503, "message": "json_schema: 4 grammars are still ..."}
+    assert abort_error(busy, {"json_schema": "response_format"}).param is None  # no client error
 
 
 def test_the_default_max_new_tokens_ends_at_the_context(client, engine):
