@@ -11,6 +11,10 @@ Two things make that harder than decoding each new token on its own:
   stream ends) or can no longer match (then it is released). Stop regexes alike: text that a
   regex matches partially (up to its end) is held back.
 
+- A SentencePiece tokenizer (Llama 2, Mistral) drops the leading space of a decode's first
+  word: decoded alone, an answer " is ok" reads "is ok". The first window therefore starts
+  with the prompt's last few tokens (``scheduler.stop.decode_context``), whose text is then cut off again.
+
 The non-streamed response uses the same object, so the concatenation of the streamed pieces is
 the non-streamed text by construction; for byte-level tokenizers both equal
 ``tokenizer.decode(output_ids)`` (tested).
@@ -24,9 +28,9 @@ import os
 import re
 import weakref
 
-from ..scheduler.stop import RegexBudget, find_stop, regex_holdback
+from ..scheduler.stop import (REPLACEMENT_CHAR, RegexBudget, decode_context, find_stop,
+                              regex_holdback)
 
-REPLACEMENT_CHAR = "\ufffd"
 
 
 class IncrementalDetokenizer:
@@ -40,7 +44,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, skip_special_tokens: bool = True,
                  stop: list[str] | None = None, no_stop_trim: bool = False,
                  stop_regex: list[str] | None = None,
-                 spaces_between_special_tokens: bool = True):
+                 spaces_between_special_tokens: bool = True, prompt_ids=()):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         # honoured by slow (Python) tokenizers; fast ones never add such spaces
@@ -49,12 +53,13 @@ class IncrementalDetokenizer:
         self.stop_regex = list(stop_regex or [])
         self._regex_budget = RegexBudget()  # this request's search time (scheduler.stop)
         self.no_stop_trim = no_stop_trim
-        self.ids: list[int] = []
+        # the prompt's tail, then the output ids
+        self.ids: list[int] = decode_context(self._decode, prompt_ids) if prompt_ids else []
         self.text = ""  # released
         self.matched_stop: str | None = None
         self._decoded = ""  # clean decoded text of ids[:read], released or held back
         self._prefix = 0  # decode window start: the previous read offset
-        self._read = 0  # ids[:read] are in _decoded
+        self._read = len(self.ids)  # ids[:read] are in _decoded (or the prompt's)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(

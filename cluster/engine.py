@@ -24,7 +24,8 @@ from dataclasses import replace
 from ..scheduler.config import SchedulerConfig
 from ..scheduler.request import Req, prompt_fit_problem
 from ..scheduler.scheduler import Scheduler
-from ..scheduler.stop import StopRegexTooSlow, trim_stop_text, visible_output_ids
+from ..scheduler.stop import (StopRegexTooSlow, decode_after, decode_context, trim_stop_text,
+                              visible_output_ids)
 from ..worker.sampling_params import SamplingParams, surrogate_at
 from .engine_requests import Collected, logprob_start, per_request, plain_entry
 from .request_checks import context_overflow
@@ -303,9 +304,10 @@ class Engine:
     def _result(self, req: Req, c: Collected, text_in_logprobs: bool) -> dict:
         sp, reason = req.sampling_params, c.last.finish_reason
         shown = visible_output_ids(c.output_ids, reason, sp.no_stop_trim)
-        text = self.tokenizer.decode(
-            shown, skip_special_tokens=sp.skip_special_tokens,
+        decode = functools.partial(
+            self.tokenizer.decode, skip_special_tokens=sp.skip_special_tokens,
             spaces_between_special_tokens=sp.spaces_between_special_tokens)
+        text = decode_after(decode, decode_context(decode, req.origin_input_ids), shown)
         meta = {
             "id": req.rid,
             "prompt_tokens": c.last.prompt_tokens,

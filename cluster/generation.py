@@ -308,7 +308,8 @@ async def run_request(ctx: ServingContext, req: GenerateRequest,
     state = RequestState(req, IncrementalDetokenizer(
         ctx.tokenizer, skip_special_tokens=sp.skip_special_tokens, stop=sp.stop,
         no_stop_trim=sp.no_stop_trim, stop_regex=sp.stop_regex,
-        spaces_between_special_tokens=sp.spaces_between_special_tokens))
+        spaces_between_special_tokens=sp.spaces_between_special_tokens,
+        prompt_ids=req.input_ids))
     if warmup is not None:
         state.start = warmup.started
     if req.rid in ctx.aborted:  # aborted while it waited for its warm-up: never submitted

@@ -124,6 +124,26 @@ def regex_holdback(text: str, start: int, stop_regex: Iterable[str],
     return longest
 
 
+CONTEXT_TOKENS = 4  # prompt tokens decoded in front of an output's first tokens
+
+
+def decode_context(decode, prompt_ids) -> list[int]:
+    """The prompt's last few tokens, to decode an output after: a SentencePiece tokenizer
+    (Llama 2, Mistral) drops the leading space of a decode's first word (" is ok" decoded
+    alone reads "is ok"). [] when they end inside a character (their text would not be a
+    prefix of the joined text)."""
+    context = list(prompt_ids[-CONTEXT_TOKENS:])
+    return [] if decode(context).endswith(REPLACEMENT_CHAR) else context
+
+
+def decode_after(decode, context: list[int], ids: list[int]) -> str:
+    """``decode(ids)`` as the text that follows ``context`` (``decode_context``)."""
+    if not context:
+        return decode(ids)
+    before, joined = decode(context), decode(context + list(ids))
+    return joined[len(before):] if joined.startswith(before) else decode(ids)
+
+
 class StopChecker:
     def __init__(self, eos_token_ids: Iterable[int] = (), decode: Decode | None = None,
                  max_context_len: int | None = None):
@@ -159,7 +179,12 @@ class StopChecker:
         if (sp.stop or sp.stop_regex) and self.decode is None:
             raise ValueError("stop: stop strings need a tokenizer to decode with")
         if sp.stop:
-            tail = self._decode(out[-(max(len(s.encode()) for s in sp.stop) + 1):], sp)
+            window = out[-(max(len(s.encode()) for s in sp.stop) + 1):]
+            decode = functools.partial(self._decode, sp=sp)
+            tail = (decode_after(decode, decode_context(decode, req.origin_input_ids), window)
+                    if len(window) == len(out) else decode(window))
+            # a window's edges may cut a character (U+FFFD): no stop may match that
+            tail = tail.strip(REPLACEMENT_CHAR)
             for s in sp.stop:
                 if s in tail:
                     return FinishReason.stop(s)

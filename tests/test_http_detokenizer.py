@@ -115,3 +115,50 @@ def test_special_tokens_skipped_or_kept(tok):
     assert skipped.add(ids) + skipped.finish() == "hi"
     kept = IncrementalDetokenizer(tok, skip_special_tokens=False)
     assert kept.add(ids) + kept.finish() == "<|im_start|>hi<|im_end|>"
+
+
+def _metaspace_tokenizer():
+    """A SentencePiece-style (Llama 2, Mistral) tokenizer: its decoder drops the leading space
+    of the first word it decodes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "▁The": 1, "▁capital": 2, "▁is": 3, "▁ok": 4, "▁": 5}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer, tk.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>")
+
+
+def test_an_answer_keeps_its_leading_space_under_a_sentencepiece_tokenizer():
+    """Decoded alone, the answer " is ok" after "The capital" read "is ok": echo and SGLang
+    programs joined words, and a stop string " is" at the start never matched."""
+    from radixray.scheduler.request import FinishReason, Req
+    from radixray.scheduler.stop import StopChecker
+    from radixray.worker.sampling_params import SamplingParams
+
+    tok, prompt = _metaspace_tokenizer(), [1, 2]
+    assert tok.decode([3, 4]) == "is ok"  # the tokenizer's own behaviour
+    detok = IncrementalDetokenizer(tok, prompt_ids=prompt)
+    assert detok.add([3]) + detok.add([4]) + detok.finish() == " is ok"
+    stopped = IncrementalDetokenizer(tok, stop=[" is"], prompt_ids=prompt)
+    stopped.add([3, 4])
+    assert stopped.matched_stop == " is" and stopped.text == ""
+    req = Req("r", prompt, SamplingParams(stop=[" is"], max_new_tokens=8))
+    req.output_ids = [3]
+    assert StopChecker(decode=tok.decode).check(req) == FinishReason.stop(" is")
+
+
+def test_the_stop_check_matches_no_half_decoded_character(tok):
+    """A window of tokens that starts or ends inside a character decodes it as U+FFFD: a stop
+    string holding U+FFFD matched there, in text the output never had."""
+    from radixray.scheduler.request import Req
+    from radixray.scheduler.stop import StopChecker
+    from radixray.worker.sampling_params import SamplingParams
+
+    ids = tok.encode("😀😀😀 ok", add_special_tokens=False)
+    checker = StopChecker(decode=tok.decode)
+    for stop in ("\ufffd", "\ufffd😀"):
+        req = Req("r", [5], SamplingParams(stop=[stop], max_new_tokens=64))
+        for i in range(len(ids)):
+            req.output_ids = ids[: i + 1]
+            assert checker.check(req) is None, (stop, i)
