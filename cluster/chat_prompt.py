@@ -32,6 +32,9 @@ def chat_prompt_ids(body, tokenizer, tools: list[dict] | None = None) -> list[in
     400s name the field at fault."""
     if not body.messages:
         raise bad_request("messages: at least one message is required", param="messages")
+    if not tokenizer.chat_template:
+        raise bad_request("messages: this model's tokenizer has no chat template; use "
+                          "/v1/completions or /generate with a prompt", param="messages")
     add_generation_prompt, continue_final = generation_mode(body)
     kwargs = template_kwargs(body.chat_template_kwargs, tokenizer)
     messages = template_messages(body, tokenizer.chat_template)

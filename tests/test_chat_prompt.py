@@ -166,3 +166,9 @@ class EncodeFails:
 def test_a_tokenizer_type_error_is_a_400(tok):
     err = rejected(lambda: chat_prompt_ids(request(), EncodeFails(tok)))
     assert err.param == "messages" and "cannot be tokenized" in err.message
+
+
+def test_a_tokenizer_without_a_chat_template_says_so(templated):
+    """The 400 said the template "rejected" the messages: there was no template at all."""
+    err = rejected(lambda: chat_prompt_ids(request(), templated(None)))
+    assert err.param == "messages" and "has no chat template" in err.message
