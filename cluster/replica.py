@@ -25,6 +25,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -154,6 +155,11 @@ class ReplicaServer:
         from transformers import AutoTokenizer
 
         from .http_server import ServerArgs, create_app
+
+        if threading.current_thread() is threading.main_thread():  # (Ray runs __init__ there)
+            # Ray's own SIGTERM handler only stops the actor taking calls: its HTTP server
+            # served on, half-dead, and Ray never restarted it. Exit, as on SIGKILL.
+            signal.signal(signal.SIGTERM, lambda *_: os._exit(1))
 
         sched_args, runner_args = split_server_args(server_args)
         runner_args["device"] = resolve_device(runner_args["device"])  # what /get_server_info shows

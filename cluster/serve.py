@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 from ..router.config import POLICY_NAMES, WORKER_API_KEY_ENV
 from .engine_protocol import HEALTH_CHECK_TIMEOUT_S as REPLICA_HEALTH_TIMEOUT_S
@@ -22,6 +23,7 @@ from .tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 DEMO_MODEL_NAME = "radixray-demo"  # what clients send as "model" to the built-in demo model
 REPLICA_PORT_POLICIES = ("per-replica", "per-node")
+ROUTER_RESTART_WINDOW_S, ROUTER_MAX_RESTARTS = 60.0, 5  # more exits than that: serve gives up
 ROUTER_HEALTH_MARGIN_S = 5.0  # the router's health checks wait this much longer than /health
 
 # Scheduler arguments as flags: SchedulerConfig's field -> (type, help). Defaults come from
@@ -170,6 +172,16 @@ def router_env(api_key: str | None) -> dict[str, str]:
     if api_key:
         env[WORKER_API_KEY_ENV] = api_key
     return env
+
+
+def _exit_reason(code: int) -> str:
+    """A child's exit status in words: "exit code 1", "killed by SIGKILL"."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def _die_with_parent():
@@ -323,11 +335,30 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"radixray serving {args.served_model_name or model_path} at "
               f"http://{args.host}:{args.port} (router; OpenAI API under /v1, SGLang native "
               f"POST /generate)", flush=True)
-        try:
-            code = router.wait()
-        except KeyboardInterrupt:
-            return 0
-        return 0 if stopping else code  # a router we stopped exits by the signal
+        # The router holds no state the replicas need: one that dies (killed for its memory,
+        # a crash) is started again, instead of taking every replica down with serve.
+        exits: list[float] = []
+        while True:
+            try:
+                code = router.wait()
+            except KeyboardInterrupt:
+                return 0
+            if stopping:
+                return 0  # a router we stopped exits by the signal
+            exits = [t for t in exits if time.monotonic() - t < ROUTER_RESTART_WINDOW_S]
+            exits.append(time.monotonic())
+            if len(exits) > ROUTER_MAX_RESTARTS:
+                print(f"radixray serve: error: the router exited {len(exits)} times within "
+                      f"{ROUTER_RESTART_WINDOW_S:g} s (last: {_exit_reason(code)}); stopping",
+                      file=sys.stderr, flush=True)
+                return 1
+            print(f"radixray serve: the router exited ({_exit_reason(code)}); starting it "
+                  "again", file=sys.stderr, flush=True)
+            time.sleep(1.0)  # its port is free again once the kernel has closed its socket
+            if stopping:
+                return 0
+            router = subprocess.Popen(command, preexec_fn=_die_with_parent(),
+                                      env=router_env(args.api_key))
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM while starting
         return 0
     except Exception as e:

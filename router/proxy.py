@@ -348,8 +348,9 @@ class Proxy:
                 state["outcome"] = "failed"
                 self.metrics.errors.labels(worker.url, "stream").inc()
                 error = {"error": {"message": f"worker {worker.url} failed mid-stream: "
-                                              f"{type(exc).__name__}", "code": 502}}
-                yield f"data: {json.dumps(error)}\n\n".encode()
+                                              f"{type(exc).__name__}", "type": ERROR_TYPES[502],
+                                   "code": 502}}  # ended as a replica ends its own errors
+                yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
 
         async def settle() -> None:
             """Judge how the stream ended, and book it on the worker and the metrics."""

@@ -106,6 +106,20 @@ def test_serve_without_model_uses_the_default_model(tiny_llama_path, tmp_path):
         # --debug-invariants checked the memory invariant after every step; a violation
         # would have failed the engine and with it the health check
         assert httpx.get(url + "/health", timeout=10).status_code == 200
+        # a router that dies is started again (serve used to exit, taking the replicas down)
+        os.kill(_router_pid(port), signal.SIGKILL)
+        while "the router exited (killed by SIGKILL); starting it again" not in lines[-1]:
+            lines.append(proc.stdout.readline())
+            assert proc.poll() is None, "".join(lines)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.2)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -113,6 +127,19 @@ def test_serve_without_model_uses_the_default_model(tiny_llama_path, tmp_path):
         finally:
             proc.kill()
     assert code == 0
+
+
+def _router_pid(port: int) -> int:
+    """The pid of the router process listening on ``port`` (serve's child)."""
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"radixray.router" in argv and str(port).encode() in argv:
+            return int(entry)
+    raise AssertionError(f"no router process on port {port}")
 
 
 def _serve(args, env=None, timeout=180):

@@ -165,6 +165,8 @@ def test_a_worker_dying_mid_stream_ends_the_stream_with_an_error_event(servers, 
         rest = b"".join(chunks)
     assert time.perf_counter() - start < 5
     assert b'"error"' in rest and b"failed mid-stream" in rest
+    # ended as the replica ends its own in-band errors: a typed error, then [DONE]
+    assert rest.endswith(b"data: [DONE]\n\n") and b'"type": "BadGatewayError"' in rest
     deadline = time.monotonic() + 2  # the router settles its accounts just after the last byte
     while router.admission.active and time.monotonic() < deadline:
         time.sleep(0.02)
