@@ -33,7 +33,7 @@ def test_host_pool_round_trip_and_sizing():
     for (k0, v0), k, v in zip(before, kv.k, kv.v):
         assert torch.equal(k[[12, 13, 14]], k0) and torch.equal(v[[12, 13, 14]], v0)
     assert host_pool_tokens(1000, 512, 2.0, 0, 4) == 2000
-    assert host_pool_tokens(1000, 512, 2.0, 1 / 1024, 64) == 2048 - 2048 % 64  # 1 MiB
+    assert host_pool_tokens(1000, 500, 2.0, 1e-3, 64) == 2000 - 2000 % 64  # 1 MB
     assert HostKVPool.try_create(0, 1, 1, 1, 1, torch.float32, torch.device("cpu")) is None
 
 
@@ -55,7 +55,7 @@ def plain_outputs(tiny_llama_path):
     {},
     {"hicache_write_policy": "write_back"},
     {"disable_overlap_schedule": True},
-    {"hicache_size": 4000 * 512 / 2**30},  # GB: 4000 tokens of the tiny model's KV
+    {"hicache_size": 4000 * 512 / 1e9},  # GB: 4000 tokens of the tiny model's KV
 ], ids=["write_through", "write_back", "no_overlap", "size_gb"])
 def test_engine_outputs_match_and_history_hits_host(tiny_llama_path, plain_outputs, args):
     from radixray.cluster.engine import Engine
