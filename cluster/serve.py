@@ -111,6 +111,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "(past it, a replica that made progress meanwhile is busy, so "
                         "healthy); the router serve starts waits this plus "
                         f"{ROUTER_HEALTH_MARGIN_S:g} s for the answer")
+    p.add_argument("--health-check-interval", type=float, default=10.0,
+                   help="seconds between the router's health checks of each replica (each a "
+                        "one-token generation); a restarted replica gets traffic again at "
+                        "the next one")
     g = p.add_argument_group("cluster")
     g.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1,
                    help="tensor-parallel ranks per replica (one Ray actor each)")
@@ -216,6 +220,7 @@ def router_command(args: argparse.Namespace, urls: list[str], discovery: list[st
     return [sys.executable, "-m", "radixray.router", "--host", args.host, "--port",
             str(args.port), "--policy", args.router_policy, "--worker-urls", *urls,
             "--health-check-timeout", f"{args.health_check_timeout + ROUTER_HEALTH_MARGIN_S:g}",
+            "--health-check-interval", f"{args.health_check_interval:g}",
             *discovery]
 
 
@@ -271,8 +276,9 @@ def run_serve(args: argparse.Namespace) -> int:
                 raise ValueError(f"{name}: must be >= 1")
         if args.max_queued_requests is not None and args.max_queued_requests < 1:
             raise ValueError("max_queued_requests: must be >= 1 (leave it out for no limit)")
-        if not 0 < args.health_check_timeout < math.inf:
-            raise ValueError("health_check_timeout: must be a number of seconds > 0")
+        for name in ("health_check_timeout", "health_check_interval"):
+            if not 0 < getattr(args, name) < math.inf:
+                raise ValueError(f"{name}: must be a number of seconds > 0")
         if not 0 <= args.placement_timeout < math.inf:
             raise ValueError("placement_timeout: must be a number of seconds >= 0 (0: no limit)")
         if args.ray_dashboard_port is not None and args.ray_address is not None:

@@ -189,10 +189,13 @@ def test_the_router_waits_for_a_busy_replicas_health_verdict():
     from radixray.cluster.serve import router_command
     from radixray.router.cli import add_router_arguments
 
-    for flags, replica_limit in (([], 15.0), (["--health-check-timeout", "40"], 40.0)):
+    for flags, replica_limit, interval in (([], 15.0, 10.0), (
+            ["--health-check-timeout", "40", "--health-check-interval", "2.5"], 40.0, 2.5)):
         args = build_parser().parse_args(["serve", *flags])
         assert args.health_check_timeout == replica_limit
         command = router_command(args, ["http://127.0.0.1:1"], [])
         assert command[1:3] == ["-m", "radixray.router"]
         router = add_router_arguments(argparse.ArgumentParser()).parse_args(command[3:])
         assert router.health_check_timeout >= replica_limit + 5
+        # (serve gave its router no interval: a restarted replica waited up to 10 s for work)
+        assert router.health_check_interval == interval
