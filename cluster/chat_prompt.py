@@ -18,7 +18,7 @@ import re
 import uuid
 from functools import lru_cache
 
-from .generation import APIError, bad_request
+from .api_errors import APIError, bad_request
 from .request_checks import check_text
 from .tool_calls import template_message
 

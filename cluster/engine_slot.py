@@ -14,7 +14,7 @@ from typing import AsyncIterator
 
 from .async_engine import InProcessEngine
 from .engine_protocol import GenerateRequest, TokenOutput
-from .generation import EngineRestarting, unavailable
+from .api_errors import EngineRestarting, unavailable
 from .metrics import COUNTERS
 
 RESTARTING_MESSAGE = "replica is restarting"  # its 503 also carries RESTARTING_HEADER

@@ -28,8 +28,8 @@ from ..scheduler.grammar import KINDS as GRAMMAR_KINDS
 from ..router.config import CACHE_EPOCH_HEADER
 from . import native_api, openai_api, tokenize_api
 from .engine_protocol import HEALTH_CHECK_TIMEOUT_S, EngineClient
-from .generation import (APIError, ServingContext, abort_error, bad_request, new_rid,
-                         prepare_off_loop_if_large, unavailable, until_disconnect)
+from .api_errors import APIError, abort_error, bad_request, unavailable
+from .generation import ServingContext, new_rid, prepare_off_loop_if_large, until_disconnect
 from .metrics import COUNTERS, EXPOSITION_CONTENT_TYPE, GAUGES, EngineMetrics
 from .openai_serving import chat_completions, completions
 from .parallel_sampling import collect_states

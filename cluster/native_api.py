@@ -21,8 +21,8 @@ from pydantic import BaseModel, ConfigDict
 from ..worker.sampling_params import SamplingParams
 from .detokenizer import token_texts
 from .engine_protocol import GenerateRequest
-from .generation import (SSE_DONE, RequestState, ServingContext, Session, as_api_error,
-                         bad_request, new_rid, sse)
+from .api_errors import as_api_error, bad_request
+from .generation import SSE_DONE, RequestState, ServingContext, Session, new_rid, sse
 from .parallel_sampling import expand_copies, run_all
 from .request_checks import (cache_namespace, check_lengths, check_sampling_params, check_text,
                              check_token_ids)

@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..worker.sampling_params import SamplingParams
 from .chat_prompt import chat_prompt_ids, check_strings
 from .engine_protocol import GenerateRequest
-from .generation import APIError, ServingContext, bad_request, new_rid
+from .api_errors import APIError, bad_request
+from .generation import ServingContext, new_rid
 from .parallel_sampling import expand_copies
 from .request_checks import (cache_namespace, check_lengths, check_sampling_params, check_text,
                              check_token_ids)

@@ -16,9 +16,9 @@ from starlette.background import BackgroundTask
 from ..scheduler.grammar import KINDS as GRAMMAR_KINDS
 from . import openai_api as oa
 from . import openai_responses as res
-from .generation import (SSE_DONE, APIError, RequestState, ServingContext, Session,
-                         abort_error, as_api_error, prepare_off_loop_if_large, sse,
-                         until_disconnect)
+from .api_errors import APIError, abort_error, as_api_error
+from .generation import (SSE_DONE, RequestState, ServingContext, Session, prepare_off_loop_if_large,
+                         sse, until_disconnect)
 from .parallel_sampling import collect_states, run_all
 from .tool_calls import ToolPlan, ToolStream
 

@@ -13,8 +13,8 @@ from typing import AsyncIterator
 
 from ..scheduler.request import MAX_SEED
 from .engine_protocol import GenerateRequest
-from .generation import (RequestState, ServingContext, Warmup, bad_request, new_rid,
-                         run_many, unavailable)
+from .api_errors import bad_request, unavailable
+from .generation import RequestState, ServingContext, Warmup, new_rid, run_many
 
 
 async def prefill_only(ctx: ServingContext, req: GenerateRequest, copies: list[str],

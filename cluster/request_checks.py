@@ -9,7 +9,7 @@ import re
 from ..scheduler.grammar import validate_grammar
 from ..scheduler.request import MAX_SEED, MIN_SEED, prompt_fit_problem
 from ..worker.sampling_params import SamplingParams, surrogate_at
-from .generation import bad_request
+from .api_errors import bad_request
 
 
 def check_sampling_params(sp: SamplingParams, vocab_size: int | None,

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from .generation import ServingContext, bad_request
+from .api_errors import bad_request
+from .generation import ServingContext
 from .request_checks import check_text
 
 

@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from radixray.cluster.chat_prompt import chat_prompt_ids, check_strings
-from radixray.cluster.generation import APIError
+from radixray.cluster.api_errors import APIError
 from radixray.cluster.openai_api import ChatCompletionRequest, tool_plan
 
 USER = {"role": "user", "content": "write code"}

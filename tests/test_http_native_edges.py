@@ -58,7 +58,7 @@ def test_a_client_error_abort_is_a_400_not_a_200(client):
 
 
 def test_a_grammar_error_from_the_scheduler_names_the_clients_field():
-    from radixray.cluster.generation import abort_error
+    from radixray.cluster.api_errors import abort_error
 
     reason = {"type": "abort", "status_code": 400,
               "message": "json_schema: compilation timed out after 30 s"}
@@ -128,7 +128,8 @@ def test_one_prompt_of_a_batch_with_n_copies_aborts_by_its_rid(client, server, e
 def test_a_large_batch_is_checked_for_repeated_rids_in_linear_time():
     """The check compared each rid with all before it: 10,000 rids took 4.7 s on the loop."""
     from radixray.cluster.engine_protocol import GenerateRequest
-    from radixray.cluster.generation import APIError, ServingContext
+    from radixray.cluster.api_errors import APIError
+    from radixray.cluster.generation import ServingContext
     from radixray.worker.sampling_params import SamplingParams
 
     ctx = ServingContext(None, None, "m", 2048, 2048)

@@ -75,14 +75,7 @@ def test_serve_without_model_uses_the_default_model(tiny_llama_path, tmp_path):
             if url in line:
                 break
             assert time.monotonic() < deadline, "".join(lines)
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.1)
+        _wait_healthy(url, proc, deadline)
         info = httpx.get(url + "/get_server_info", timeout=10).json()
         assert info["schedule_policy"] == "lpm" and info["max_total_num_tokens"] == 4096
         # --device auto (the default) resolved against the local Ray cluster's GPUs, logged
@@ -111,15 +104,7 @@ def test_serve_without_model_uses_the_default_model(tiny_llama_path, tmp_path):
         while "the router exited (killed by SIGKILL); starting it again" not in lines[-1]:
             lines.append(proc.stdout.readline())
             assert proc.poll() is None, "".join(lines)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.2)
+        _wait_healthy(url, proc, time.monotonic() + 60)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -127,6 +112,18 @@ def test_serve_without_model_uses_the_default_model(tiny_llama_path, tmp_path):
         finally:
             proc.kill()
     assert code == 0
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, deadline: float) -> None:
+    """Until the router at ``url`` answers /health with 200 (serve must keep running)."""
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
 
 
 def _router_pid(port: int) -> int:

@@ -11,7 +11,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from radixray.cluster.engine_protocol import GenerateRequest, TokenOutput
-from radixray.cluster.generation import APIError, ServingContext, run_request
+from radixray.cluster.api_errors import APIError
+from radixray.cluster.generation import ServingContext, run_request
 from radixray.worker.sampling_params import SamplingParams
 
 PREFILL_S = 0.3
