@@ -271,9 +271,10 @@ class InProcessEngine:
 
     def _fail_all(self, message: str) -> None:
         sinks, self._sinks = self._sinks, {}
-        self._failed_at_stop += len(sinks)
         live = self.scheduler.live  # plain data: readable even after a failed step
-        self._failed_prompt_tokens += sum(live[rid].prompt_len for rid in sinks if rid in live)
+        counted = [rid for rid in sinks if not (rid in live and live[rid].probe)]  # no probes
+        self._failed_at_stop += len(counted)
+        self._failed_prompt_tokens += sum(live[rid].prompt_len for rid in counted if rid in live)
         for rid, (loop, queue) in sinks.items():
             out = TokenOutput(rid, [], finished=True,  # 503: the server's fault, retry later
                               finish_reason={"type": "abort", "message": message,
@@ -285,8 +286,9 @@ class InProcessEngine:
         while self._inbox:  # submissions that never reached the scheduler
             command = self._inbox.popleft()
             if command[0] == "add":
-                self._failed_at_stop += 1
-                self._failed_prompt_tokens += command[1].prompt_len
+                if not command[1].probe:
+                    self._failed_at_stop += 1
+                    self._failed_prompt_tokens += command[1].prompt_len
                 try:
                     command[2].call_soon_threadsafe(command[3].put_nowait,
                                                     RuntimeError(f"engine stopped: {message}"))

@@ -55,6 +55,7 @@ class IncrementalDetokenizer:
         self.no_stop_trim = no_stop_trim
         # the prompt's tail, then the output ids
         self.ids: list[int] = decode_context(self._decode, prompt_ids) if prompt_ids else []
+        self._context = len(self.ids)  # prompt tokens in front, until the first window
         self.text = ""  # released
         self.matched_stop: str | None = None
         self._decoded = ""  # clean decoded text of ids[:read], released or held back
@@ -87,11 +88,18 @@ class IncrementalDetokenizer:
             return
         prefix_text = self._decode(self.ids[self._prefix:self._read])
         new_text = self._decode(self.ids[self._prefix:])
+        if self._context and not new_text.startswith(prefix_text):
+            # the prompt's text changed once the output followed it (a tokenizer's clean-up
+            # of spaces): decode the output alone, as decode_after does then
+            del self.ids[:self._context]
+            self._context = self._prefix = self._read = 0
+            prefix_text, new_text = "", self._decode(self.ids)
         # Wait while the window ends inside a character; a special token skipped on decode
         # adds nothing and simply stays in the next window.
         if len(new_text) > len(prefix_text) and (final or not new_text.endswith(REPLACEMENT_CHAR)):
             self._decoded += new_text[len(prefix_text):]
             self._prefix, self._read = self._read, len(self.ids)
+            self._context = 0
 
     def _release(self, final: bool) -> str:
         sent = len(self.text)

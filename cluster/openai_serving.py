@@ -34,9 +34,8 @@ def _is_abort(state: RequestState) -> bool:
 
 def _grammar_fields(body) -> dict[str, str]:
     """The client's field behind each grammar kind, for a grammar error from the scheduler."""
-    field = ("response_format" if getattr(body, "response_format", None) is not None
-             else "tools" if getattr(body, "tools", None) else None)
-    return {kind: field or kind for kind in GRAMMAR_KINDS}
+    names, tools = oa.client_field_names(body), "tools" if getattr(body, "tools", None) else None
+    return {kind: names.get(kind) or tools or kind for kind in GRAMMAR_KINDS}
 
 
 async def _run(request: Request, ctx: ServingContext, session: Session, firsts, copies,

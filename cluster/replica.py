@@ -194,6 +194,8 @@ class ReplicaServer:
                                f"{host} (another radixray serve?); pick other ports")
         self.url = advertised_url(host, self.port, ray.util.get_node_ip_address())
         self._stop = threading.Event()
+        # before the engine: what it makes is replaced on a restart or a flush (heap.py)
+        freeze_startup_heap()
         self._start_engine()
         try:
             self._serve_http(ServerArgs(model_path=model_path, host=host, port=self.port,
@@ -204,7 +206,6 @@ class ReplicaServer:
             self.engine.current.shutdown()
             self.group.shutdown()
             raise
-        freeze_startup_heap()  # (heap.py)
         threading.Thread(target=self._supervise, name="replica-supervisor", daemon=True).start()
 
     # ------------------------------------------------------------------ lifecycle
@@ -278,7 +279,6 @@ class ReplicaServer:
                 self.restarts.save()
                 self.engine.own_totals = self.restarts.totals()
                 self._start_engine()
-                freeze_startup_heap()  # the old engine's objects go first
                 return
             except Exception as e:  # keep trying: a node may be coming back
                 log.error("replica %s: restart failed: %s", self.replica_id, e)
@@ -302,6 +302,12 @@ class ReplicaServer:
                                       "ranks": group.gc_frozen_objects if group else []},
                 "healthy": self.engine.ready, "worker_pids": pids,
                 "node_id": ray.get_runtime_context().get_node_id()}
+
+    def engine_is_frozen(self) -> bool:
+        """Whether the engine's scheduler is frozen (heap.py): it must not be, or a restart
+        would leak it. (``gc.get_objects`` lists every tracked object but the frozen ones.)"""
+        scheduler = self.engine.current.scheduler
+        return not any(obj is scheduler for obj in gc.get_objects())
 
     def check_invariant(self) -> int:
         """Assert the scheduler's memory invariant; returns the number of live requests."""

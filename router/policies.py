@@ -32,6 +32,7 @@ class RequestInfo:
     copies: int | tuple[int, ...] = 1
     by_ids: bool = False  # ``text`` spells the prompt's token ids (one character each)
     continues: bool = False  # chat ``continue_final_message``: the answer extends the last one
+    prompts: int = 1  # a batch's size (its answers are not learned: ``text`` is its first)
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,16 @@ def routing_text(body: dict) -> tuple[str, bool]:
     return "", False
 
 
+def prompt_count(body: dict) -> int:
+    """How many prompts a body holds: a batch's size (a list of strings or of id lists), else 1."""
+    for field in ("text", "prompt", "input_ids"):
+        value = body.get(field)
+        if value is not None:
+            batch = isinstance(value, list) and bool(value) and isinstance(value[0], (str, list))
+            return len(value) if batch else 1
+    return 1
+
+
 def routing_key(body: dict, headers) -> str | None:
     """``X-Routing-Key`` header, else body ``routing_key``, else body ``session_id`` (a string
     or an integer; another type is no key, and /generate's replica names it)."""
@@ -146,7 +156,7 @@ def read_request(raw: bytes, header_key: str | None, native: bool) -> RequestInf
     text, by_ids = routing_text(body)
     return RequestInfo(text, key, body.get("stream") is True,
                        copies_per_prompt(body) if native else 1, by_ids,
-                       body.get("continue_final_message") is True)
+                       body.get("continue_final_message") is True, prompt_count(body))
 
 
 def token_counts(obj) -> tuple[int, int] | None:
@@ -235,7 +245,9 @@ def answer_route_texts(route: str, info: RequestInfo, answers: list[str]) -> lis
     """The texts a conversation's next turn may start with: the request's routing text, then
     one of its answers, joined as ``request_text`` joins chat messages (by a newline, none
     when the answer continues the last message). A completion's echo (the prompt again, in
-    front of the answer) is dropped."""
+    front of the answer) is dropped. Nothing for a batch: its routing text is its first prompt."""
+    if info.prompts != 1:
+        return []
     prompt = info.text
     joint = "\n" if route == "/v1/chat/completions" and not info.continues else ""
     texts = []
@@ -332,7 +344,7 @@ _INDEX_AT_END = re.compile(rb'"index"\s*:\s*(\d+)\s*\}\s*$')
 class SSETail:
     """Remembers the last ``data:`` event (other than [DONE]) of each answer in a stream, while
     the bytes pass through untouched: one event per answer index, and the unfinished one.
-    With ``keep_events`` it also keeps every event (for ``stream_text``) until they pass
+    With ``keep_events`` it also keeps every event (for ``stream_texts``) until they pass
     ``KEEP_EVENTS_BYTES``; then ``events`` is None."""
 
     def __init__(self, keep_events: bool = False):

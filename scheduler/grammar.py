@@ -42,6 +42,7 @@ _STRICT_JSON_CHAR = r'[^\0-\x1f\"\\\r\n]'
 # cube of its repetition counts: ``{10,2000}`` 0.6-1.4 s, ``{10,12000}`` ~50 s, ``{10,30000}``
 # over 5 minutes, with nothing able to stop it. Counts are bounded per pattern (each, and
 # their sum) so that one stays under ~0.3 s; a top-level ``regex`` is converted lazily.
+QUEUED_TIMEOUTS = 4  # a compilation that has not started within 4 timeouts times out too
 MAX_PATTERN_REPEAT = 1000
 MAX_PATTERN_REPEAT_SUM = 3000
 _REPEAT = re.compile(r"(?<!\\)\{(\d+)(?:,(\d*))?\}")
@@ -55,7 +56,7 @@ class GrammarError(ValueError):
         super().__init__(f"{kind}: {problem}")
         self.kind = kind
         self.problem = problem
-        self.status_code = status_code  # 503: the server's capacity, not the grammar
+        self.status_code = status_code  # 429: the server's capacity now, not the grammar
 
 
 def _problem(exc: BaseException) -> str:
@@ -122,6 +123,8 @@ def wrapped_json_schema_ebnf(prefix: str, schema: str, suffix: str) -> str:
     """EBNF of ``prefix``, then JSON satisfying ``schema`` (as a json_schema constraint
     compiles it), then ``suffix``: how a tool call is forced in a model's own format. Raises
     GrammarError("json_schema: ...") for a bad schema."""
+    if problem := _pattern_problem(schema):  # (a tool's parameters: no other check runs)
+        raise GrammarError("json_schema", problem)
     try:
         parts = [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(prefix)}")] if prefix else []
         parts.append(_grammar("json_schema", schema))
@@ -176,8 +179,8 @@ class GrammarFuture:
         """``timeout_s`` after the later of this submit and the compilation's start (set by
         the pool thread): time queued behind other requests' grammars does not count."""
         started = getattr(self._future, "started_at", None)
-        if started is None:
-            return float("inf")  # queued: the pool threads free up within a timeout each
+        if started is None:  # queued: each pool thread frees up within a timeout
+            return self._submitted + QUEUED_TIMEOUTS * self._timeout_s
         return max(started, self._submitted) + self._timeout_s
 
     def done(self) -> bool:
@@ -270,11 +273,13 @@ class GrammarBackend:
         worker = threading.Thread(target=self._compile_into, args=(future, kind, text),
                                   name="grammar-compile", daemon=True)
         with self._lock:  # started under the lock: shutdown only ever joins started threads
+            if future.done():  # failed by shutdown while it was queued
+                return
             if len(self._compiling) >= self.max_live_compiles:
                 self._cache.pop((kind, text), None)  # not the grammar's fault: try it later
                 future.set_exception(GrammarError(
                     kind, f"{len(self._compiling)} grammars are still compiling past their "
-                          "timeout; try again later", status_code=503))
+                          "timeout; try again later", status_code=429))
                 return
             future.started_at = time.monotonic()
             self._compiling.add(worker)
@@ -311,6 +316,11 @@ class GrammarBackend:
         to finish: a process that exits while one runs in C++ aborts (SIGABRT) when Python
         ends the thread under it."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:  # the queued ones never run now: their waiters must not wait for ever
+            for (kind, _), future in self._cache.items():
+                if not future.done() and getattr(future, "started_at", None) is None:
+                    future.set_exception(GrammarError(kind, "the server is shutting down",
+                                                      status_code=503))
         deadline = time.monotonic() + wait_s
         with self._lock:
             running = list(self._compiling)

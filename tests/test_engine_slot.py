@@ -83,9 +83,13 @@ def test_requests_an_engine_fails_when_it_stops_are_counted_with_their_prompts(t
     async def start_and_stop() -> dict:
         req = GenerateRequest("long", [5, 6, 7], SamplingParams(max_new_tokens=1500,
                                                                  ignore_eos=True))
-        stream = engine.generate(req)
+        probe = GenerateRequest("health", [5], SamplingParams(max_new_tokens=1500,
+                                                              ignore_eos=True), probe=True)
+        stream, checking = engine.generate(req), engine.generate(probe)
         await stream.__anext__()  # it runs
+        await checking.__anext__()  # and so does a health probe: failed, it counts nowhere
         await asyncio.to_thread(engine.shutdown)
+        assert [out async for out in checking][-1].finish_reason["status_code"] == 503
         return [out async for out in stream][-1].finish_reason
 
     assert asyncio.run(start_and_stop())["status_code"] == 503

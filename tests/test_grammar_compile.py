@@ -81,7 +81,7 @@ def test_submit_never_blocks_and_times_out(tokenizer):
 def test_compilations_past_their_timeout_are_bounded(tokenizer):
     """Each compilation past its timeout kept a thread (and a core) for as long as it ran:
     a client with a few costly schemas kept the replica's cores busy while it sat idle. At most
-    2 x threads compile at once; beyond, a request fails with a 503 and is not cached."""
+    2 x threads compile at once; beyond, a request fails with a 429 and is not cached."""
     backend = GrammarBackend(tokenizer, VOCAB, num_threads=1, compile_timeout_s=0.1)
     gate, real = threading.Event(), backend._compile
 
@@ -98,7 +98,7 @@ def test_compilations_past_their_timeout_are_bounded(tokenizer):
         time.sleep(0.15)  # the pool's own wait for the second has passed
         with pytest.raises(GrammarError, match="still compiling past their timeout") as e:
             backend.submit("regex", "[a-z]+").result(wait=True)
-        assert e.value.status_code == 503
+        assert e.value.status_code == 429
     finally:
         gate.set()
     time.sleep(0.2)  # the stuck ones finish; the refused grammar was not cached as failed
@@ -148,3 +148,32 @@ def test_an_overdue_compile_gives_its_thread_to_the_next_grammar(tokenizer):
     assert backend.submit("regex", "slow+").result(wait=True) is not None
     assert backend.num_compiles == 2
     backend.shutdown()
+
+
+def test_a_queued_compile_times_out_after_four_timeouts_and_shutdown_ends_it(tokenizer):
+    """A compilation that never starts had no deadline at all: its request waited for ever,
+    and after shutdown() (which drops queued work) result(wait=True) never returned."""
+    backend = GrammarBackend(tokenizer, VOCAB, num_threads=1, compile_timeout_s=0.1)
+    gate = threading.Event()
+    backend._pool.submit(gate.wait)  # the only thread stays busy
+    queued = backend.submit("regex", "[a-z]+")
+    with pytest.raises(GrammarError, match="timed out"):
+        queued.result(wait=True)  # ~0.4 s: four timeouts, never started
+    other = backend.submit("regex", "[0-9]+")
+    backend.shutdown(wait_s=0.1)
+    with pytest.raises(GrammarError, match="shutting down") as e:
+        other.result(wait=True)
+    assert e.value.status_code == 503
+    gate.set()
+
+
+def test_a_tools_parameters_get_the_pattern_limit_too():
+    """Forced tool calls build their grammar through another path, which skipped the check."""
+    from radixray.scheduler.grammar import wrapped_json_schema_ebnf
+
+    schema = json.dumps({"type": "object", "properties": {
+        "x": {"type": "string", "pattern": "a{10,30000}"}}})
+    started = time.monotonic()
+    with pytest.raises(GrammarError, match="^json_schema: pattern .*repetition counts"):
+        wrapped_json_schema_ebnf("<tool_call>", schema, "</tool_call>")
+    assert time.monotonic() - started < 1.0

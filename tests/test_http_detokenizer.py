@@ -162,3 +162,20 @@ def test_the_stop_check_matches_no_half_decoded_character(tok):
         for i in range(len(ids)):
             req.output_ids = ids[: i + 1]
             assert checker.check(req) is None, (stop, i)
+
+
+def test_a_prompt_whose_text_changes_once_the_output_follows_is_decoded_without_it():
+    """A tokenizer that cleans up spaces (" 's" -> "'s") changes the prompt's text once the
+    output follows: cutting the prompt's text off by its length cut the answer wrong."""
+    from radixray.scheduler.stop import decode_after, decode_context
+
+    class CleaningTokenizer:
+        pieces = {1: "a", 2: " '", 3: "s", 4: " ok"}
+
+        def decode(self, ids, **_):
+            return "".join(self.pieces[i] for i in ids).replace(" 's", "'s")
+
+    tok = CleaningTokenizer()
+    detok = IncrementalDetokenizer(tok, prompt_ids=[1, 2])
+    assert detok.add([3]) + detok.add([4]) + detok.finish() == "s ok"
+    assert decode_after(tok.decode, decode_context(tok.decode, [1, 2]), [3, 4]) == "s ok"

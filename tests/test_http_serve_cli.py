@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -100,10 +101,14 @@ def test_serve_without_model_uses_the_default_model(tiny_llama_path, tmp_path):
         # would have failed the engine and with it the health check
         assert httpx.get(url + "/health", timeout=10).status_code == 200
         # a router that dies is started again (serve used to exit, taking the replicas down)
+        threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")),
+                         daemon=True).start()  # serve's output from here on, without blocking
         os.kill(_router_pid(port), signal.SIGKILL)
-        while "the router exited (killed by SIGKILL); starting it again" not in lines[-1]:
-            lines.append(proc.stdout.readline())
-            assert proc.poll() is None, "".join(lines)
+        deadline = time.monotonic() + 60
+        while not any("the router exited (killed by SIGKILL); starting it again" in line
+                      for line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            time.sleep(0.1)
         _wait_healthy(url, proc, time.monotonic() + 60)
     finally:
         proc.send_signal(signal.SIGTERM)

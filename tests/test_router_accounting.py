@@ -271,3 +271,16 @@ def test_a_continued_message_is_learned_without_a_joint(servers):
                     json={"messages": messages, "continue_final_message": True})
     routed = "hi\nSure" + r.json()["choices"][0]["message"]["content"]
     assert wait_until(lambda: router.tree.match(routed).chars_for(urls[0]) == len(routed))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_batchs_answers_are_not_learned_after_its_first_prompt(servers, stream):
+    """For prompt ["A", "B"] the tree learned B's answer after A (the routing text)."""
+    fakes, urls = start_fakes(servers, 1)
+    client, router = start_router(servers, urls)
+    r = client.post("/v1/completions", json={"prompt": ["first one", "second"],
+                                             "stream": stream})
+    assert r.status_code == 200
+    time.sleep(0.3)  # the answer is learned (or not) after its last byte
+    assert router.tree.match("first one" + "z").chars_for(urls[0]) <= len("first one")
+    assert router.tree.size(urls[0]) == len("first one")
