@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -132,6 +133,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "them there); give each serve on one Ray cluster its own")
     g.add_argument("--router-policy", default="cache_aware", choices=POLICY_NAMES,
                    help="routing policy (see radixray router --help)")
+    g.add_argument("--router-args", default="",
+                   help="more flags for the router, as one string (e.g. \"--cache-threshold "
+                        "0.3 --tree-chars-per-token 2.5\"; see radixray router --help); they "
+                        "come last, so they win over serve's own")
     g.add_argument("--placement-timeout", type=float, default=PLACEMENT_TIMEOUT_S,
                    help="seconds each replica waits for nodes with room for its ranks (a "
                         "cluster's autoscaler may be starting them); 0: wait for ever, "
@@ -180,12 +185,8 @@ def router_env(api_key: str | None) -> dict[str, str]:
 
 def _exit_reason(code: int) -> str:
     """A child's exit status in words: "exit code 1", "killed by SIGKILL"."""
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
+    names = {s.value: s.name for s in signal.Signals}
+    return f"exit code {code}" if code >= 0 else f"killed by {names.get(-code, -code)}"
 
 
 def _die_with_parent():
@@ -221,7 +222,22 @@ def router_command(args: argparse.Namespace, urls: list[str], discovery: list[st
             str(args.port), "--policy", args.router_policy, "--worker-urls", *urls,
             "--health-check-timeout", f"{args.health_check_timeout + ROUTER_HEALTH_MARGIN_S:g}",
             "--health-check-interval", f"{args.health_check_interval:g}",
-            *discovery]
+            *discovery, *shlex.split(args.router_args)]
+
+
+def check_router_args(args: argparse.Namespace) -> None:
+    """ValueError naming the flag if the router would refuse its command (--router-args)."""
+    from ..router.cli import add_router_arguments, config_from_args
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):  # instead of printing the usage and exiting
+            raise ValueError(message)
+
+    try:
+        command = router_command(args, [], [])  # (shlex: ValueError for a lone quote)
+        config_from_args(add_router_arguments(Parser()).parse_args(command[3:]))
+    except (argparse.ArgumentError, ValueError) as e:
+        raise ValueError(f"router_args: {e}") from None
 
 
 def ray_dashboard_args(port: int | None) -> dict:
@@ -281,6 +297,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 raise ValueError(f"{name}: must be a number of seconds > 0")
         if not 0 <= args.placement_timeout < math.inf:
             raise ValueError("placement_timeout: must be a number of seconds >= 0 (0: no limit)")
+        check_router_args(args)
         if args.ray_dashboard_port is not None and args.ray_address is not None:
             raise ValueError("ray_dashboard_port: only for the local Ray serve starts; the "
                              "cluster at --ray-address has its own dashboard")

@@ -4,6 +4,7 @@ requests with the flags it was given, and stops cleanly on SIGTERM."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -12,6 +13,7 @@ import threading
 import time
 
 import httpx
+import pytest
 import torch
 
 from radixray.cluster.cli import build_parser
@@ -201,3 +203,23 @@ def test_the_router_waits_for_a_busy_replicas_health_verdict():
         assert router.health_check_timeout >= replica_limit + 5
         # (serve gave its router no interval: a restarted replica waited up to 10 s for work)
         assert router.health_check_interval == interval
+
+
+def test_router_args_reach_the_router_and_bad_ones_fail_serve_at_once():
+    """serve passed its router only the policy: cache and tree settings were out of reach."""
+    import argparse
+
+    from radixray.cluster.serve import check_router_args, router_command
+    from radixray.router.cli import add_router_arguments
+
+    args = build_parser().parse_args(["serve", "--router-args",
+                                      "--cache-threshold 0.3 --tree-chars-per-token 2.5"])
+    check_router_args(args)
+    command = router_command(args, ["http://127.0.0.1:1"], [])
+    router = add_router_arguments(argparse.ArgumentParser()).parse_args(command[3:])
+    assert (router.cache_threshold, router.tree_chars_per_token) == (0.3, 2.5)
+    for bad, problem in (("--cache-threshold 7", "cache_threshold: must be in [0, 1]"),
+                         ("--no-such-flag 1", "unrecognized arguments"),
+                         ('--cache-threshold "0.3', "No closing quotation")):
+        with pytest.raises(ValueError, match="^router_args: .*" + re.escape(problem)):
+            check_router_args(build_parser().parse_args(["serve", "--router-args", bad]))
