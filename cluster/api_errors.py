@@ -51,7 +51,7 @@ def abort_error(finish_reason: dict | None, fields: dict[str, str] | None = None
     reason = finish_reason or {}
     status, message = reason.get("status_code", 400), reason.get("message") or "no reason given"
     name, sep, problem = message.partition(": ")
-    if sep and fields and name in fields and status < 500:
+    if sep and fields and name in fields and status == 400:  # not a 429: the server's load
         return APIError(status, f"{fields[name]}: {problem}", param=fields[name])
     return APIError(status, f"request aborted: {message}")
 

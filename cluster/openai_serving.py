@@ -35,7 +35,8 @@ def _is_abort(state: RequestState) -> bool:
 def _grammar_fields(body) -> dict[str, str]:
     """The client's field behind each grammar kind, for a grammar error from the scheduler."""
     names, tools = oa.client_field_names(body), "tools" if getattr(body, "tools", None) else None
-    return {kind: names.get(kind) or tools or kind for kind in GRAMMAR_KINDS}
+    return {kind: names.get(kind) or (kind if getattr(body, kind, None) else tools) or kind
+            for kind in GRAMMAR_KINDS}
 
 
 async def _run(request: Request, ctx: ServingContext, session: Session, firsts, copies,

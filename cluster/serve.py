@@ -378,10 +378,10 @@ def run_serve(args: argparse.Namespace) -> int:
             print(f"radixray serve: the router exited ({_exit_reason(code)}); starting it "
                   "again", file=sys.stderr, flush=True)
             time.sleep(1.0)  # its port is free again once the kernel has closed its socket
-            if stopping:
-                return 0
             router = subprocess.Popen(command, preexec_fn=_die_with_parent(),
                                       env=router_env(args.api_key))
+            if stopping:  # a SIGTERM meanwhile signalled the old one
+                router.terminate()
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM while starting
         return 0
     except Exception as e:

@@ -42,7 +42,7 @@ _STRICT_JSON_CHAR = r'[^\0-\x1f\"\\\r\n]'
 # cube of its repetition counts: ``{10,2000}`` 0.6-1.4 s, ``{10,12000}`` ~50 s, ``{10,30000}``
 # over 5 minutes, with nothing able to stop it. Counts are bounded per pattern (each, and
 # their sum) so that one stays under ~0.3 s; a top-level ``regex`` is converted lazily.
-QUEUED_TIMEOUTS = 4  # a compilation that has not started within 4 timeouts times out too
+QUEUED_TIMEOUTS = 4  # a compilation not started within 4 timeouts: a 429 (the load)
 MAX_PATTERN_REPEAT = 1000
 MAX_PATTERN_REPEAT_SUM = 3000
 _REPEAT = re.compile(r"(?<!\\)\{(\d+)(?:,(\d*))?\}")
@@ -56,7 +56,7 @@ class GrammarError(ValueError):
         super().__init__(f"{kind}: {problem}")
         self.kind = kind
         self.problem = problem
-        self.status_code = status_code  # 429: the server's capacity now, not the grammar
+        self.status_code = status_code  # 429/503: the server's load or state, not the grammar
 
 
 def _problem(exc: BaseException) -> str:
@@ -208,6 +208,9 @@ class GrammarFuture:
         if not self._future.done():
             if time.monotonic() < self._deadline:
                 raise RuntimeError("grammar compilation is not done; poll done() first")
+            if getattr(self._future, "started_at", None) is None:  # the server's load, not it
+                raise GrammarError(self.kind, "waited too long behind other grammars' "
+                                   "compilations; try again later", status_code=429)
             raise GrammarError(self.kind, f"compilation timed out after {self._timeout_s:g} s")
         return self._future.result()
 
