@@ -13,7 +13,8 @@ Two things make that harder than decoding each new token on its own:
 
 - A SentencePiece tokenizer (Llama 2, Mistral) drops the leading space of a decode's first
   word: decoded alone, an answer " is ok" reads "is ok". The first window therefore starts
-  with the prompt's last few tokens (``scheduler.stop.decode_context``), whose text is then cut off again.
+  with the prompt's last few tokens (``scheduler.stop.decode_context``), whose text is then
+  cut off again.
 
 The non-streamed response uses the same object, so the concatenation of the streamed pieces is
 the non-streamed text by construction; for byte-level tokenizers both equal
@@ -30,7 +31,6 @@ import weakref
 
 from ..scheduler.stop import (REPLACEMENT_CHAR, RegexBudget, decode_context, find_stop,
                               regex_holdback)
-
 
 
 class IncrementalDetokenizer:

@@ -179,12 +179,9 @@ class StopChecker:
         if (sp.stop or sp.stop_regex) and self.decode is None:
             raise ValueError("stop: stop strings need a tokenizer to decode with")
         if sp.stop:
-            window = out[-(max(len(s.encode()) for s in sp.stop) + 1):]
-            decode = functools.partial(self._decode, sp=sp)
-            tail = (decode_after(decode, decode_context(decode, req.origin_input_ids), window)
-                    if len(window) == len(out) else decode(window))
+            start = max(len(out) - max(len(s.encode()) for s in sp.stop) - 1, 0)
             # a window's edges may cut a character (U+FFFD): no stop may match that
-            tail = tail.strip(REPLACEMENT_CHAR)
+            tail = self._text(req, sp, start, len(out)).strip(REPLACEMENT_CHAR)
             for s in sp.stop:
                 if s in tail:
                     return FinishReason.stop(s)
@@ -198,10 +195,16 @@ class StopChecker:
             return FinishReason.of_length(len(out))
         return None
 
-
-    def _decode(self, ids: list[int], sp) -> str:
-        return self.decode(ids, skip_special_tokens=sp.skip_special_tokens,
-                           spaces_between_special_tokens=sp.spaces_between_special_tokens)
+    def _text(self, req: Req, sp, start: int, end: int) -> str:
+        """The text of ``req.output_ids[start:end]``; from the first token on, decoded after
+        the prompt's last tokens (``decode_context``: a SentencePiece answer keeps its
+        leading space)."""
+        decode = functools.partial(self.decode, skip_special_tokens=sp.skip_special_tokens,
+                                   spaces_between_special_tokens=sp.spaces_between_special_tokens)
+        ids = req.output_ids[start:end]
+        if start:
+            return decode(ids)
+        return decode_after(decode, decode_context(decode, req.origin_input_ids), ids)
 
     def _stop_regex_match(self, req: Req, out: list[int], sp) -> str | None:
         """The first stop regex that matches the output's newest text, or None. Searched from
@@ -210,11 +213,10 @@ class StopChecker:
         widths = [stop_regex_width(p) for p in sp.stop_regex]
         window = len(out) if None in widths else 4 * max(widths) + 1
         start = max(len(out) - window - STOP_REGEX_CONTEXT_TOKENS, 0)
-        text = self._decode(out[start:], sp)
         # the newest token ends inside a character: wait for the rest (as the HTTP
         # detokenizer does), or a \W would match its replacement character
-        text = text.rstrip(REPLACEMENT_CHAR)
-        pos = len(self._decode(out[start:len(out) - window], sp)) if len(out) > window else 0
+        text = self._text(req, sp, start, len(out)).rstrip(REPLACEMENT_CHAR)
+        pos = len(self._text(req, sp, start, len(out) - window)) if len(out) > window else 0
         budget = self._budgets.get(req)
         if budget is None:
             budget = self._budgets[req] = RegexBudget()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import random
+import time
+from pathlib import Path
 
 import torch
 
@@ -109,3 +111,33 @@ def write_dummy_llama(path, head_dim: int = 16) -> str:
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
         max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0)))
     return str(path)
+
+
+def processes_using(*words: str) -> set[int]:
+    """Ids of processes whose command line mentions every one of ``words``."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError):
+            continue
+        if entry.name.isdigit() and all(w in cmdline for w in words):
+            pids.add(int(entry.name))
+    return pids
+
+
+def wait_healthy(url: str, timeout: float, alive=lambda: True, interval: float = 0.2) -> None:
+    """Until ``url``'s /health answers 200; AssertionError after ``timeout`` seconds, or as
+    soon as ``alive()`` (the server's process still runs, say) turns false."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=30).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass  # nothing listens yet (starting, or restarting)
+        assert alive(), f"{url}: the server's process ended"
+        assert time.monotonic() < deadline, f"{url} did not become healthy in {timeout} s"
+        time.sleep(interval)

@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from helpers import wait_healthy
 from radixray.router.retry import is_restarting
 
 pytestmark = pytest.mark.ray
@@ -20,18 +21,6 @@ PROMPT = list(range(40, 90))
 
 def _sampling(n: int) -> dict:
     return {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
-
-
-def _wait_healthy(url: str, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=30).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass  # the head is being restarted: nothing listens yet
-        time.sleep(0.5)
-    raise AssertionError(f"{url} did not become healthy in {timeout}s")
 
 
 def _cache_epoch(url: str) -> str:
@@ -68,7 +57,7 @@ def test_streams_to_a_restarting_replica_are_503s(replica):
     import ray
 
     actor, url = replica
-    _wait_healthy(url)
+    wait_healthy(url, 90, interval=0.5)
     pids = ray.get(actor.info.remote())["worker_pids"]
     body = {"input_ids": PROMPT, "sampling_params": _sampling(1500), "stream": True}
     with httpx.stream("POST", f"{url}/generate", json=body, timeout=60) as live:
@@ -88,7 +77,7 @@ def test_streams_to_a_restarting_replica_are_503s(replica):
         r = httpx.post(f"{url}{path}", json=body, timeout=30)
         assert r.status_code == 503, (path, r.status_code, r.text)
         assert "restarting" in r.text and is_restarting(r.status_code, r.headers)
-    _wait_healthy(url)
+    wait_healthy(url, 90, interval=0.5)
     r = httpx.post(f"{url}/generate", timeout=30,
                    json={"input_ids": PROMPT, "sampling_params": _sampling(4), "stream": True})
     assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
@@ -101,7 +90,7 @@ def test_rank_killed_while_idle_restarts_the_replica(replica):
     import ray
 
     actor, url = replica
-    _wait_healthy(url)
+    wait_healthy(url, 90, interval=0.5)
     before, epoch = ray.get(actor.info.remote()), _cache_epoch(url)
     os.kill(before["worker_pids"][0], signal.SIGKILL)
     deadline = time.monotonic() + 60
@@ -132,7 +121,7 @@ def test_killed_head_comes_back_on_its_port(replica):
     import ray
 
     actor, url = replica
-    _wait_healthy(url)
+    wait_healthy(url, 90, interval=0.5)
     live_groups, epoch = _live_placement_groups(), _cache_epoch(url)
     before = ray.get(actor.info.remote())
     head = before["pid"]
@@ -151,7 +140,7 @@ def test_killed_head_comes_back_on_its_port(replica):
             pass  # the call raced the death; the next one waits for the restarted actor
         time.sleep(0.5)
     assert info.get("pid") not in (None, head) and info["url"] == url, info
-    _wait_healthy(url)
+    wait_healthy(url, 90, interval=0.5)
     out = httpx.post(f"{url}/generate", timeout=30,
                      json={"input_ids": PROMPT, "sampling_params": _sampling(4)})
     assert out.status_code == 200 and len(out.json()["output_ids"]) == 4

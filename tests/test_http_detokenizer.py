@@ -146,6 +146,9 @@ def test_an_answer_keeps_its_leading_space_under_a_sentencepiece_tokenizer():
     req = Req("r", prompt, SamplingParams(stop=[" is"], max_new_tokens=8))
     req.output_ids = [3]
     assert StopChecker(decode=tok.decode).check(req) == FinishReason.stop(" is")
+    req = Req("r", prompt, SamplingParams(stop_regex=[r"^\sis"], max_new_tokens=8))
+    req.output_ids = [3]  # the regex check reads the same text
+    assert StopChecker(decode=tok.decode).check(req) == FinishReason.stop(r"^\sis")
 
 
 def test_the_stop_check_matches_no_half_decoded_character(tok):

@@ -16,6 +16,7 @@ import httpx
 import pytest
 import torch
 
+from helpers import processes_using, wait_healthy
 from radixray.cluster.cli import build_parser
 
 
@@ -78,7 +79,7 @@ def test_serve_without_model_uses_the_default_model(tiny_llama_path, tmp_path):
             if url in line:
                 break
             assert time.monotonic() < deadline, "".join(lines)
-        _wait_healthy(url, proc, deadline)
+        wait_healthy(url, deadline - time.monotonic(), lambda: proc.poll() is None)
         info = httpx.get(url + "/get_server_info", timeout=10).json()
         assert info["schedule_policy"] == "lpm" and info["max_total_num_tokens"] == 4096
         # --device auto (the default) resolved against the local Ray cluster's GPUs, logged
@@ -105,13 +106,14 @@ def test_serve_without_model_uses_the_default_model(tiny_llama_path, tmp_path):
         # a router that dies is started again (serve used to exit, taking the replicas down)
         threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")),
                          daemon=True).start()  # serve's output from here on, without blocking
-        os.kill(_router_pid(port), signal.SIGKILL)
+        (router,) = processes_using("radixray.router", f"--port {port}")
+        os.kill(router, signal.SIGKILL)
         deadline = time.monotonic() + 60
         while not any("the router exited (killed by SIGKILL); starting it again" in line
                       for line in lines):
             assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
             time.sleep(0.1)
-        _wait_healthy(url, proc, time.monotonic() + 60)
+        wait_healthy(url, 60, lambda: proc.poll() is None)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -119,31 +121,6 @@ def test_serve_without_model_uses_the_default_model(tiny_llama_path, tmp_path):
         finally:
             proc.kill()
     assert code == 0
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, deadline: float) -> None:
-    """Until the router at ``url`` answers /health with 200 (serve must keep running)."""
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.1)
-
-
-def _router_pid(port: int) -> int:
-    """The pid of the router process listening on ``port`` (serve's child)."""
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"radixray.router" in argv and str(port).encode() in argv:
-            return int(entry)
-    raise AssertionError(f"no router process on port {port}")
 
 
 def _serve(args, env=None, timeout=180):

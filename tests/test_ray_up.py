@@ -36,6 +36,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from helpers import processes_using
 
 pytestmark = pytest.mark.slow
 
@@ -119,20 +120,6 @@ def cluster_config(auth: dict, port: int) -> dict:
     return cfg
 
 
-def processes_using(path: Path, *words: str) -> set[int]:
-    """Ids of processes whose command line mentions ``path`` (this test's virtualenv) and
-    ``words``."""
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (OSError, ValueError):
-            continue
-        if entry.name.isdigit() and all(w in cmdline for w in (str(path), *words)):
-            pids.add(int(entry.name))
-    return pids
-
-
 def wait_until_healthy(url: str, log: Path, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while True:  # serve was started in the background; it needs a while to load
@@ -169,18 +156,18 @@ def test_ray_up_serves_a_request_and_ray_down_stops_it(tmp_path):
         assert (home / "radixray" / "pyproject.toml").is_file()
         assert not (home / "radixray" / ".git").exists()  # rsync_exclude
         assert list(venv.glob("lib/python*/site-packages/radixray/__init__.py"))
-        assert len(processes_using(venv, "bin/radixray serve")) == 1
+        assert len(processes_using(str(venv), "bin/radixray serve")) == 1
         wait_until_healthy(url, log)
         assert_generates(url)
     finally:
         down = ray_cli("down", "-y", str(cluster), timeout=300)
         # Ray ends serve (a driver) about 60 s after its cluster stops, and the router with it.
         deadline = time.monotonic() + 150
-        while (leftover := processes_using(venv)) and time.monotonic() < deadline:
+        while (leftover := processes_using(str(venv))) and time.monotonic() < deadline:
             time.sleep(2)
         if leftover:  # clean up for the next run; the test fails below
             ray_cli("stop", "--force", timeout=120)
-            for pid in processes_using(venv):  # only what this test started: its venv's
+            for pid in processes_using(str(venv)):  # only what this test started: its venv's
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:

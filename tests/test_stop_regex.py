@@ -93,7 +93,8 @@ def test_a_backtracking_pattern_ends_its_own_request_instead_of_stalling_the_rep
         regex_holdback("a" * 40 + "x", 0, [pattern])
     with pytest.raises(StopRegexTooSlow):
         find_stop("a" * 40 + "x", 0, [], [pattern])
-    checker = StopChecker(decode=lambda ids, **_: "a" * 40 + "x")
+    # token i reads 40 "a"s and i "x"s: the output (token 1) is "aaa...ax"
+    checker = StopChecker(decode=lambda ids, **_: "".join("a" * 40 + "x" * i for i in ids))
     req = Req("r", [0], SamplingParams(max_new_tokens=100, stop_regex=[pattern]))
     req.output_ids.append(1)
     reason = checker.check(req).to_dict()
