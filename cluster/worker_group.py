@@ -104,11 +104,13 @@ class WorkerGroup:
         try:
             ray.get(self.pg.ready(), timeout=start_timeout_s)
             actor_cls = ray.remote(RankActor)
+            nodes = placement_group_table(self.pg)["bundles_to_node_id"]
             for rank in range(tp_size):
                 strategy = PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=rank)
+                ranks_on_host = sum(nodes[r] == nodes[rank] for r in range(tp_size))
                 cfg = dataclasses.replace(runner_cfg, device=device, tp_rank=rank,
-                                          tp_size=tp_size)
+                                          tp_size=tp_size, ranks_on_host=ranks_on_host)
                 # threads: two forwards (overlap scheduling), watch or follow, control calls
                 self.workers.append(actor_cls.options(
                     num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),

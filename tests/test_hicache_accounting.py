@@ -155,3 +155,25 @@ def test_host_pool_size_is_in_gb_and_bounded_by_free_memory(monkeypatch, caplog)
     assert HostKVPool.try_create(500, *args) is not None  # ~50% of what is free
     assert HostKVPool.try_create(900, *args) is None  # over 80%: the tier is off, logged
     assert "hierarchical cache off" in caplog.text
+    # two ranks of a replica on one host allocate from the same free memory at once
+    assert HostKVPool.try_create(500, *args, ranks_on_host=2) is None
+    assert HostKVPool.try_create(350, *args, ranks_on_host=2) is not None
+
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_host_memory_reads_a_containers_cgroup_limit(tmp_path, version):
+    """In a pod with a memory limit the host's MemAvailable counts memory the container may
+    not take: a pool sized from it gets the pod OOM-killed instead of the tier turned off."""
+    from radixray.worker.host_pool import _meminfo_available, available_host_bytes
+
+    gb = 10**9
+    folder = tmp_path if version == "v2" else tmp_path / "memory"
+    folder.mkdir(exist_ok=True)
+    names = (("memory.max", "memory.current", "inactive_file") if version == "v2" else
+             ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
+    (folder / names[0]).write_text(f"{8 * gb}\n")
+    (folder / names[1]).write_text(f"{3 * gb}\n")  # 1 GB of it reclaimable page cache
+    (folder / "memory.stat").write_text(f"anon 1\n{names[2]} {gb}\nactive_file 5\n")
+    assert available_host_bytes(str(tmp_path)) == min(6 * gb, _meminfo_available())
+    (folder / names[0]).write_text("max\n" if version == "v2" else "9223372036854771712\n")
+    assert available_host_bytes(str(tmp_path)) == _meminfo_available()  # no limit

@@ -38,16 +38,54 @@ log = logging.getLogger(__name__)
 HOST_MEMORY_SHARE = 0.8  # of the memory available at start-up, at most, for a host pool
 
 
-def available_host_bytes() -> int | None:
-    """Memory the kernel says is available for new allocations (MemAvailable), or None where
-    there is no /proc/meminfo."""
+def available_host_bytes(cgroup_root: str = "/sys/fs/cgroup") -> int | None:
+    """Memory a new allocation of this process can take: the kernel's MemAvailable, or less
+    where a memory cgroup (a container's limit: Kubernetes, Docker) leaves less. None where
+    neither can be read."""
+    figures = [_meminfo_available(), _cgroup_available(cgroup_root)]
+    known = [b for b in figures if b is not None]
+    return min(known) if known else None
+
+
+def _meminfo_available() -> int | None:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError):
         pass
+    return None
+
+
+# (folder, limit file, usage file, the memory.stat key of reclaimable page cache): v2, v1
+_CGROUP_FILES = (("", "memory.max", "memory.current", "inactive_file"),
+                 ("memory/", "memory.limit_in_bytes", "memory.usage_in_bytes",
+                  "total_inactive_file"))
+_NO_LIMIT = 1 << 60  # v1 reports "no limit" as a page-rounded 2**63 - 1
+
+
+def _cgroup_available(root: str) -> int | None:
+    """The cgroup's limit less its working set (usage less the inactive page cache, which the
+    kernel reclaims before it OOM-kills: what kubelet counts), or None without a limit."""
+    for folder, limit_file, usage_file, cache_key in _CGROUP_FILES:
+        base = f"{root}/{folder}"
+        try:
+            with open(base + limit_file) as f:
+                limit = f.read().strip()
+            if limit == "max" or int(limit) >= _NO_LIMIT:
+                return None
+            with open(base + usage_file) as f:
+                usage = int(f.read())
+            cache = 0
+            with open(base + "memory.stat") as f:
+                for line in f:
+                    key, _, value = line.partition(" ")
+                    if key == cache_key:
+                        cache = int(value)
+            return max(0, int(limit) - max(0, usage - cache))
+        except (OSError, ValueError):
+            continue
     return None
 
 
@@ -87,9 +125,10 @@ class HostKVPool:
         self.copies_done = torch.cuda.Event() if cuda else None
 
     @classmethod
-    def try_create(cls, num_tokens: int, *args) -> "HostKVPool | None":
+    def try_create(cls, num_tokens: int, *args, ranks_on_host: int = 1) -> "HostKVPool | None":
         """The pool, or None (logged) when host memory cannot hold it: the engine then runs
-        without the host tier instead of failing to start."""
+        without the host tier instead of failing to start. ``ranks_on_host`` of the replica
+        allocate their pools at the same time from the same memory: each gets its share."""
         if num_tokens <= 0:
             log.warning("hierarchical cache off: --hicache-ratio/--hicache-size give a host "
                         "pool of %d tokens", num_tokens)
@@ -97,12 +136,13 @@ class HostKVPool:
         page_size, num_layers, kv_heads, head_dim, dtype = args[:5]
         need = (num_tokens + page_size) * num_layers * 2 * kv_heads * head_dim * dtype.itemsize
         free = available_host_bytes()
-        if free is not None and need > HOST_MEMORY_SHARE * free:
+        if free is not None and need > HOST_MEMORY_SHARE * free / ranks_on_host:
             # zeroing a pool near the machine's free memory swaps or gets the process killed
             # instead of failing the allocation
             log.warning("hierarchical cache off: a host pool of %d tokens needs %.2f GB, more "
-                        "than %d%% of the %.2f GB available", num_tokens, need / 1e9,
-                        HOST_MEMORY_SHARE * 100, free / 1e9)
+                        "than %d%% of the %.2f GB available%s", num_tokens, need / 1e9,
+                        HOST_MEMORY_SHARE * 100, free / 1e9,
+                        f", shared by {ranks_on_host} ranks" if ranks_on_host > 1 else "")
             return None
         try:
             return cls(num_tokens, *args)

@@ -53,6 +53,7 @@ class RunnerConfig:
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = 2.0
     hicache_size: float = 0.0
+    ranks_on_host: int = 1  # ranks of this replica on this host, sharing its host memory
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -95,7 +96,8 @@ class ModelRunner:
                                                                mc.head_dim, dtype),
                 cfg.hicache_ratio, cfg.hicache_size, cfg.page_size)
             self.host_pool = HostKVPool.try_create(tokens, cfg.page_size, mc.num_layers,
-                                                   kv_heads, mc.head_dim, dtype, self.device)
+                                                   kv_heads, mc.head_dim, dtype, self.device,
+                                                   ranks_on_host=cfg.ranks_on_host)
             if self.host_pool is not None and tokens <= self.max_total_tokens:
                 log.warning("the host KV pool (%d tokens) is not larger than the device pool "
                             "(%d): a prefix is copied to the host only if it fits there, so "
