@@ -17,19 +17,18 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CollectorRegistry, generate_latest
 from pydantic import BaseModel, ValidationError
-from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from .. import __version__
-from ..scheduler.grammar import KINDS as GRAMMAR_KINDS
 from ..router.config import CACHE_EPOCH_HEADER
 from . import native_api, openai_api, tokenize_api
 from .engine_protocol import HEALTH_CHECK_TIMEOUT_S, EngineClient
 from .api_errors import APIError, abort_error, bad_request, unavailable
-from .generation import ServingContext, new_rid, prepare_off_loop_if_large, until_disconnect
+from .generation import (ServingContext, new_rid, open_stream, prepare_off_loop_if_large,
+                         until_disconnect)
 from .metrics import COUNTERS, EXPOSITION_CONTENT_TYPE, GAUGES, EngineMetrics
 from .openai_serving import chat_completions, completions
 from .parallel_sampling import collect_states
@@ -309,20 +308,18 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
         with_text = bool(body.return_text_in_logprobs)
         multi = batch or len(flat) > 1
         if body.stream:
-            return StreamingResponse(
-                native_api.stream_events(ctx, firsts, copies, with_text, multi, session),
-                media_type="text/event-stream", background=BackgroundTask(session.close))
+            return await open_stream(
+                request, native_api.stream_events(ctx, firsts, copies, with_text, multi, session),
+                session)
         try:
             states = await until_disconnect(request, collect_states(ctx, firsts, copies))
         finally:
             session.close()
         if isinstance(states, Response):
             return states
-        failed = next((s for s in states if (s.finish_reason or {}).get("status_code", 0) >= 400),
-                      None)
-        if failed is not None:  # the client's input (400) or the engine under it (5xx) ended
-            raise abort_error(failed.finish_reason,  # it; a plain abort (no status): a 200
-                              {kind: f"sampling_params.{kind}" for kind in GRAMMAR_KINDS})
+        failed = next((s for s in states if native_api.failed(s)), None)
+        if failed is not None:
+            raise abort_error(failed.finish_reason, native_api.GRAMMAR_FIELDS)
         results = [native_api.native_result(s, tokenizer, with_text) for s in states]
         return results if multi else results[0]
 

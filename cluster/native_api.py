@@ -21,8 +21,10 @@ from pydantic import BaseModel, ConfigDict
 from ..worker.sampling_params import SamplingParams
 from .detokenizer import token_texts
 from .engine_protocol import GenerateRequest
-from .api_errors import as_api_error, bad_request
-from .generation import SSE_DONE, RequestState, ServingContext, Session, new_rid, sse
+from ..scheduler.grammar import KINDS as GRAMMAR_KINDS
+from .api_errors import abort_error, as_api_error, bad_request
+from .generation import (SSE_DONE, RequestState, ServingContext, Session, error_event, new_rid,
+                         sse)
 from .parallel_sampling import expand_copies, run_all
 from .request_checks import (cache_namespace, check_lengths, check_sampling_params, check_text,
                              check_token_ids)
@@ -182,22 +184,36 @@ def native_result(state: RequestState, tokenizer, with_text: bool) -> dict:
     return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
 
 
+# the client's field behind each grammar kind, for a grammar error from the scheduler
+GRAMMAR_FIELDS = {kind: f"sampling_params.{kind}" for kind in GRAMMAR_KINDS}
+
+
+def failed(state: RequestState) -> bool:
+    """Ended by the client's input (a 400) or the engine under it (5xx). A plain abort (no
+    status: the client's own /abort_request) is a normal end."""
+    return (state.finish_reason or {}).get("status_code", 0) >= 400
+
+
 async def stream_events(ctx: ServingContext, firsts: list[GenerateRequest],
                         copies: list[list[GenerateRequest]], with_text: bool, multi: bool,
                         session: Session):
     """SSE events: after each output, that request's cumulative object (with ``index`` when
     several run); then ``[DONE]``. Closing the stream aborts what still runs."""
     try:
+        first = True
         async with aclosing(run_all(ctx, firsts, copies)) as updates:
             async for i, state in updates:
+                if first and failed(state):  # nothing sent: an HTTP error, as unstreamed
+                    yield error_event(abort_error(state.finish_reason, GRAMMAR_FIELDS), True)
+                    return
+                first = False
                 chunk = native_result(state, ctx.tokenizer, with_text)
                 if multi:
                     chunk["index"] = i
                 yield sse(chunk)
         yield SSE_DONE
-    except Exception as e:  # the status line is gone; report in-band, as SGLang does
-        err = as_api_error(e)
-        yield sse({"error": {"message": err.message, "code": err.code}})
+    except Exception as e:  # in-band once the status line is gone, as SGLang does
+        yield error_event(as_api_error(e), native=True)
         yield SSE_DONE
     finally:
         session.close()

@@ -10,22 +10,16 @@ import time
 from contextlib import aclosing
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import JSONResponse, Response
 
 from ..scheduler.grammar import KINDS as GRAMMAR_KINDS
 from . import openai_api as oa
 from . import openai_responses as res
-from .api_errors import APIError, abort_error, as_api_error
-from .generation import (SSE_DONE, RequestState, ServingContext, Session, prepare_off_loop_if_large,
-                         sse, until_disconnect)
+from .api_errors import abort_error, as_api_error
+from .generation import (SSE_DONE, RequestState, ServingContext, Session, error_event,
+                         open_stream, prepare_off_loop_if_large, sse, until_disconnect)
 from .parallel_sampling import collect_states, run_all
 from .tool_calls import ToolPlan, ToolStream
-
-
-def _error_event(err: APIError) -> str:
-    return sse({"error": {"message": err.message, "type": err.err_type, "param": err.param,
-                          "code": err.code}})
 
 
 def _is_abort(state: RequestState) -> bool:
@@ -54,11 +48,6 @@ async def _run(request: Request, ctx: ServingContext, session: Session, firsts, 
     return states
 
 
-def _streaming(events, session: Session) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
-                             background=BackgroundTask(session.close))
-
-
 # ---------------------------------------------------------------------------------------------
 # /v1/completions
 
@@ -76,7 +65,8 @@ async def completions(request: Request, ctx: ServingContext, body: oa.Completion
         prompts = [ctx.tokenizer.decode(r.input_ids, skip_special_tokens=False) if body.echo
                    else "" for r in firsts]
     if body.stream:  # never with best_of > n (a 400)
-        return _streaming(_completion_events(ctx, body, batch, prompts, session), session)
+        return await open_stream(request, _completion_events(ctx, body, batch, prompts, session),
+                                 session)
     states = await _run(request, ctx, session, firsts, copies, _grammar_fields(body))
     if isinstance(states, Response):
         return states
@@ -99,7 +89,7 @@ async def _completion_events(ctx, body: oa.CompletionRequest, batch: oa.Completi
         async with aclosing(run_all(ctx, firsts, copies)) as updates:
             async for i, state in updates:
                 if _is_abort(state):
-                    yield _error_event(abort_error(state.finish_reason, _grammar_fields(body)))
+                    yield error_event(abort_error(state.finish_reason, _grammar_fields(body)))
                     break
                 first = i not in sent_logprobs
                 text = (prompts[i // n] if body.echo and first else "") + state.delta
@@ -133,7 +123,7 @@ async def _completion_events(ctx, body: oa.CompletionRequest, batch: oa.Completi
                                            res.usage(states, n), created))
         yield SSE_DONE
     except Exception as e:
-        yield _error_event(as_api_error(e))
+        yield error_event(as_api_error(e))
         yield SSE_DONE
     finally:
         session.close()
@@ -148,7 +138,8 @@ async def chat_completions(request: Request, ctx: ServingContext,
     first, copies, plan = await prepare_off_loop_if_large(request, oa.chat_requests, body, ctx)
     session = ctx.open_session(first.rid, copies)
     if body.stream:
-        return _streaming(_chat_events(ctx, body, first, copies, session, plan), session)
+        return await open_stream(request, _chat_events(ctx, body, first, copies, session, plan),
+                                 session)
     states = await _run(request, ctx, session, [first], [copies], _grammar_fields(body))
     if isinstance(states, Response):
         return states
@@ -176,7 +167,7 @@ async def _chat_events(ctx, body: oa.ChatCompletionRequest, first, copies, sessi
         async with aclosing(run_all(ctx, [first], [copies])) as updates:
             async for i, state in updates:
                 if _is_abort(state):
-                    yield _error_event(abort_error(state.finish_reason, _grammar_fields(body)))
+                    yield error_event(abort_error(state.finish_reason, _grammar_fields(body)))
                     break
                 if i not in started:
                     started[i] = 0
@@ -211,7 +202,7 @@ async def _chat_events(ctx, body: oa.ChatCompletionRequest, first, copies, sessi
                                            [], res.usage(states, len(copies)), created))
         yield SSE_DONE
     except Exception as e:
-        yield _error_event(as_api_error(e))
+        yield error_event(as_api_error(e))
         yield SSE_DONE
     finally:
         session.close()
