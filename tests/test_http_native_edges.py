@@ -250,3 +250,25 @@ def test_more_sequences_than_the_queue_limit_is_a_400_not_a_429(engine, tiny_lla
         r = client.post("/generate", json={"text": "q", "sampling_params": {**small, "n": 2}})
         assert r.status_code == 200 and len(r.json()) == 2
     assert engine.check_invariant() == 0
+
+
+def test_an_engine_failing_before_a_streams_first_event_is_an_http_error(tiny_llama_path):
+    """A stream's 200 went out before the engine was asked: an engine that failed under the
+    queued request (or a replica restarting) reached the client as a 200 with an in-band error,
+    which neither the router nor a client library retries."""
+    eng = make_engine(tiny_llama_path)
+
+    def broken_forward(batch):
+        raise RuntimeError("device fell off the bus")
+
+    eng.scheduler.runner.forward = broken_forward
+    try:
+        with ServerThread(eng, tiny_llama_path) as url:
+            r = httpx.post(url + "/v1/chat/completions", timeout=30, json={
+                "model": MODEL_NAME, "messages": [{"role": "user", "content": "a"}],
+                "stream": True})
+            assert r.status_code >= 500 and "device fell off the bus" in r.json()["message"]
+            r = httpx.post(url + "/generate", json={"text": "a", "stream": True}, timeout=30)
+            assert r.status_code == 503, r.text  # the engine is down by now
+    finally:
+        eng.shutdown()
