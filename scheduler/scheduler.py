@@ -81,10 +81,12 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, req: Req) -> None:
         """Queue ``req``. Raises ValueError naming the field for a request that can never run.
-        A max_new_tokens past the context is cut to it: it ends there anyway, and its KV
-        reservation (scheduling) must not count tokens that can never come."""
+        A max_new_tokens past the context, or past what the KV pool holds with nothing else in
+        it, is cut to it: the request ends there anyway (``length``, as at the context's end,
+        not an abort that loses the answer), and its KV reservation (scheduling) must not
+        count tokens that can never come."""
         self.validate_request(req)
-        room = self.max_context_len - req.prompt_len
+        room = min(self.max_context_len, self.cache.pool_size) - req.prompt_len
         if req.sampling_params.max_new_tokens > room:
             req.sampling_params = replace(req.sampling_params, max_new_tokens=room)
         self.live[req.rid] = req

@@ -56,15 +56,17 @@ def test_retraction_in_a_tiny_pool_keeps_outputs_exact(page):
     assert sched.ratio.value > sched.ratio.min  # the ratio jumped after retracting
 
 
-def test_request_that_cannot_fit_alone_is_aborted_with_a_clear_reason():
+@pytest.mark.parametrize("page", [1, 4])
+def test_a_request_that_outgrows_the_pool_alone_ends_by_length_with_its_answer(page):
+    """It was aborted ("out of KV memory") when the pool filled: /generate answered 200 with an
+    abort, a streamed completion an in-band 400, each after the tokens were computed. The
+    pool is a length limit like the context: the answer ends there, with ``length``."""
     prompt = list(range(40))
-    sched, _ = make(pool=64)
-    results = run(sched, [req("big", prompt, 100)])
+    sched, _ = make(pool=64, page=page)
+    results = run(sched, [req("big", prompt, 100, ignore_eos=True)])
     out = results["big"]
-    reason = out.last.finish_reason.to_dict()
-    assert reason["type"] == "abort" and "out of KV memory" in reason["message"]
-    assert out.tokens == reference_tokens(prompt, 100)[: len(out.tokens)]
-    assert 20 <= len(out.tokens) < 100
+    assert out.last.finish_reason.to_dict() == {"type": "length", "length": 64 - 40}
+    assert out.tokens == reference_tokens(prompt, 100)[:24]
 
 
 @pytest.mark.parametrize("page", [1, 4])

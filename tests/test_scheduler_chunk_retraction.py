@@ -109,8 +109,15 @@ def test_make_room_retracts_the_stalled_chunk_first():
 
 
 def test_a_request_alone_that_outgrows_the_pool_is_aborted_with_a_true_reason():
+    """``add_request`` cuts max_new_tokens to what the pool holds; one that outgrows it anyway
+    (here its limit raised behind the scheduler's back) is aborted, saying why."""
+    from dataclasses import replace
+
     sched, _ = make(pool=64, chunked_prefill_size=16)
-    results = run(sched, [req("big", list(range(40)), 100, ignore_eos=True)])
+    big = req("big", list(range(40)), 100, ignore_eos=True)
+    sched.add_request(big)
+    big.sampling_params = replace(big.sampling_params, max_new_tokens=100)
+    results = run(sched)
     reason = results["big"].last.finish_reason.to_dict()
     assert reason["type"] == "abort"
     assert reason["message"].startswith("out of KV memory: this request's next decode step "
