@@ -92,9 +92,12 @@ class ConstrainedDecoding:
 
     def remove(self, req: Req) -> bool:
         """Take ``req`` out of the grammar queue (abort); False if it is not there."""
-        before = len(self.queue)
-        self.queue = [(r, f) for r, f in self.queue if r is not req]
-        return len(self.queue) < before
+        for i, (queued, future) in enumerate(self.queue):
+            if queued is req:
+                del self.queue[i]
+                future.release()  # nobody else waits: a queued compilation is dropped
+                return True
+        return False
 
     def poll(self, idle: bool = False) -> list[tuple[Req, list[int]]]:
         """Requests whose compilation is done leave the queue, in arrival order, as
@@ -109,6 +112,7 @@ class ConstrainedDecoding:
             if not future.done():
                 pending.append((req, future))
                 continue
+            future.release()
             try:
                 compiled = future.result()
             except GrammarError as e:  # the client's grammar (400), or no capacity now (503)

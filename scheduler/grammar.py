@@ -24,7 +24,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Sequence
+from typing import Callable, Sequence
 
 import xgrammar as xgr
 
@@ -168,11 +168,21 @@ def _parse_problem(kind: str, text: str) -> str | None:
 class GrammarFuture:
     """One request's view of a (possibly shared) compilation, with its own deadline."""
 
-    def __init__(self, kind: str, future: Future, timeout_s: float):
+    def __init__(self, kind: str, future: Future, timeout_s: float,
+                 release: "Callable[[Future], None] | None" = None):
         self.kind = kind
         self._future = future
         self._timeout_s = timeout_s
         self._submitted = time.monotonic()
+        self._release = release
+
+    def release(self) -> None:
+        """This request no longer waits (it left the grammar queue: compiled, failed, or
+        aborted). A compilation no request waits for any more is dropped if it has not
+        started. Call once."""
+        if self._release is not None:
+            self._release(self._future)
+            self._release = None
 
     @property
     def _deadline(self) -> float:
@@ -237,6 +247,7 @@ class GrammarBackend:
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()
         self.num_compiles = 0  # compilations started (cache misses)
+        self.num_abandoned = 0  # queued compilations dropped: no request waited any more
         self._compiling: set[threading.Thread] = set()  # compile threads still running
         # Compilations past their timeout run on (Python cannot stop them); at most this many
         # threads compile at once, so a client's costly grammars cannot take every core.
@@ -252,13 +263,26 @@ class GrammarBackend:
             future = self._cache.get(key)
             if future is None:
                 future = Future()
+                future.key, future.waiters = key, 0
                 self._pool.submit(self._run, future, kind, text)
                 self._cache[key] = future
                 self.num_compiles += 1
                 self._evict()
             else:
                 self._cache.move_to_end(key)
-        return GrammarFuture(kind, future, self.compile_timeout_s)
+            future.waiters += 1
+        return GrammarFuture(kind, future, self.compile_timeout_s, self._release)
+
+    def _release(self, future: Future) -> None:
+        """One waiter of ``future`` is gone. The last one of a queued compilation cancels it:
+        a client that sent costly grammars and hung up must not keep the pool busy."""
+        with self._lock:
+            future.waiters -= 1
+            if (future.waiters == 0 and not future.done()
+                    and getattr(future, "started_at", None) is None):
+                self._cache.pop(future.key, None)
+                future.set_exception(GrammarError(future.key[0], "no request waits for it"))
+                self.num_abandoned += 1
 
     def compile(self, kind: str, text) -> xgr.CompiledGrammar:
         """Blocking ``submit(...).result(wait=True)``: for tests, benchmarks and warm-up."""
@@ -276,7 +300,7 @@ class GrammarBackend:
         worker = threading.Thread(target=self._compile_into, args=(future, kind, text),
                                   name="grammar-compile", daemon=True)
         with self._lock:  # started under the lock: shutdown only ever joins started threads
-            if future.done():  # failed by shutdown while it was queued
+            if future.done():  # failed by shutdown, or abandoned, while it was queued
                 return
             if len(self._compiling) >= self.max_live_compiles:
                 self._cache.pop((kind, text), None)  # not the grammar's fault: try it later

@@ -168,6 +168,28 @@ def test_a_queued_compile_times_out_after_four_timeouts_and_shutdown_ends_it(tok
     gate.set()
 
 
+def test_a_queued_compile_nobody_waits_for_is_dropped(tokenizer):
+    """A client that sent costly grammars and hung up left them queued: each compiled later on
+    the replica's pool, ahead of the grammars of clients still waiting. The last waiter gone,
+    a compilation that has not started is dropped; one someone still waits for is kept."""
+    backend = GrammarBackend(tokenizer, VOCAB, num_threads=1, compile_timeout_s=30)
+    gate = threading.Event()
+    backend._pool.submit(gate.wait)  # the only thread stays busy
+    try:
+        first, second = backend.submit("regex", "[a-z]+"), backend.submit("regex", "[a-z]+")
+        alone = backend.submit("regex", "[0-9]+")
+        first.release()
+        alone.release()
+        assert backend.num_abandoned == 1 and backend.cache_size == 1
+        gate.set()
+        assert second.result(wait=True) is not None  # still wanted: compiled
+        assert backend.num_compiles == 2 and backend.submit("regex", "[0-9]+").result(wait=True)
+        assert backend.num_compiles == 3  # compiled afresh when asked again
+    finally:
+        gate.set()
+        backend.shutdown()
+
+
 def test_a_tools_parameters_get_the_pattern_limit_too():
     """Forced tool calls build their grammar through another path, which skipped the check."""
     from radixray.scheduler.grammar import wrapped_json_schema_ebnf

@@ -11,8 +11,7 @@ import time
 import httpx
 import pytest
 
-from http_helpers import (MODEL_NAME, ServerThread, client_fixture, make_engine, post_stream,
-                          serving_fixtures, wait_idle)
+from http_helpers import (MODEL_NAME, ServerThread, client_fixture, make_engine, serving_fixtures, wait_idle)
 
 LONG = {"max_new_tokens": 1500, "ignore_eos": True}
 
