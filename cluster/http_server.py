@@ -180,7 +180,9 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
 
     @app.exception_handler(HTTPException)  # no such route (404) or method (405)
     async def _http_error(request: Request, exc: HTTPException):
-        err = APIError(exc.status_code, exc.detail)
+        detail = (f"Not Found: {request.url.path} is not an endpoint of this server"
+                  if exc.status_code == 404 and exc.detail == "Not Found" else exc.detail)
+        err = APIError(exc.status_code, detail)
         return JSONResponse(error_body(request.url.path, err), status_code=exc.status_code,
                             headers=exc.headers)
 

@@ -35,6 +35,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # with include_usage: usage on every chunk too
 
 
 class JsonSchemaFormat(BaseModel):

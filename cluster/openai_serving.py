@@ -33,6 +33,15 @@ def _grammar_fields(body) -> dict[str, str]:
             for kind in GRAMMAR_KINDS}
 
 
+def _chunk_usage(body, state: RequestState) -> dict | None:
+    """``stream_options.continuous_usage_stats`` (vLLM's and SGLang's; with ``include_usage``):
+    each chunk carries its choice's usage so far. Else null, as OpenAI's chunks."""
+    opts = body.stream_options
+    if opts and opts.include_usage and opts.continuous_usage_stats:
+        return res.usage([state], 1)
+    return None
+
+
 async def _run(request: Request, ctx: ServingContext, session: Session, firsts, copies,
                fields: dict[str, str]):
     """Final states, or a 499 response when the client went away, or an abort error."""
@@ -114,8 +123,8 @@ async def _completion_events(ctx, body: oa.CompletionRequest, batch: oa.Completi
                     sent_logprobs[i] = len(state.output_token_logprobs)
                 choice = {"index": i, "text": text, "logprobs": logprobs,
                           **res.finish_fields(state)}
-                yield sse(res.envelope("text_completion", base, ctx.model_name, [choice], None,
-                                       created))
+                yield sse(res.envelope("text_completion", base, ctx.model_name, [choice],
+                                       _chunk_usage(body, state), created))
             else:
                 if body.stream_options and body.stream_options.include_usage:
                     states = [finals[i] for i in sorted(finals)]
@@ -155,13 +164,13 @@ async def _chat_events(ctx, body: oa.ChatCompletionRequest, first, copies, sessi
     tools: dict[int, ToolStream] = {}  # choice index -> its reply's content/call split
     created = int(time.time())
 
-    def chunk(i: int, delta: dict, logprobs, state: RequestState | None,
+    def chunk(i: int, delta: dict, logprobs, state: RequestState, finished: bool,
               fields: dict | None = None) -> str:
         if fields is None:
-            fields = res.finish_fields(state) if state is not None else {"finish_reason": None}
+            fields = res.finish_fields(state) if finished else {"finish_reason": None}
         choice = {"index": i, "delta": delta, "logprobs": logprobs, **fields}
         return sse(res.envelope("chat.completion.chunk", first.rid, ctx.model_name, [choice],
-                               None, created))
+                               _chunk_usage(body, state), created))
 
     try:
         async with aclosing(run_all(ctx, [first], [copies])) as updates:
@@ -173,7 +182,7 @@ async def _chat_events(ctx, body: oa.ChatCompletionRequest, first, copies, sessi
                     started[i] = 0
                     if plan.parser is not None:
                         tools[i] = ToolStream(plan.parser, plan.names, plan.max_calls)
-                    yield chunk(i, {"role": "assistant", "content": ""}, None, None)
+                    yield chunk(i, {"role": "assistant", "content": ""}, None, state, False)
                 if state.finished:
                     finals[i] = state
                 text, calls = state.delta, []
@@ -193,7 +202,7 @@ async def _chat_events(ctx, body: oa.ChatCompletionRequest, first, copies, sessi
                 delta = {"content": text} if text else {}
                 if calls:
                     delta["tool_calls"] = [c.to_openai(index=k) for k, c in enumerate(calls)]
-                yield chunk(i, delta, logprobs, state if state.finished else None,
+                yield chunk(i, delta, logprobs, state, state.finished,
                             res.tool_finish_fields(state) if calls else None)
             else:
                 if body.stream_options and body.stream_options.include_usage:

@@ -304,8 +304,11 @@ def build_app(config: RouterConfig, router: Router | None = None) -> Starlette:
     ]
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
-        # 404 / 405 / 413 in the replica's error shape (OpenAI's on /v1/...)
-        return error_response(request.url.path, exc.status_code, exc.detail, exc.headers)
+        # 404 / 405 / 413 in the replica's error shape (OpenAI's on /v1/...); a bare "Not
+        # Found" left a client of /v1/embeddings guessing whether the model was the problem
+        detail = (f"Not Found: {request.url.path} is not an endpoint of this server"
+                  if exc.status_code == 404 and exc.detail == "Not Found" else exc.detail)
+        return error_response(request.url.path, exc.status_code, detail, exc.headers)
 
     async def client_left(request: Request, exc: ClientDisconnect) -> Response:
         # It left while sending its body (read_body, on any route): its own doing, no error

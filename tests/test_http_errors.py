@@ -184,7 +184,8 @@ def test_unknown_routes_and_methods_answer_in_the_error_shape(client):
                                 "type": {404: "NotFoundError", 405: "MethodNotAllowedError"}[
                                     status], "code": status}
         else:
-            assert r.json() == {"error": {"message": "Not Found", "code": 404, "param": None}}
+            assert r.json() == {"error": {"message": f"Not Found: {path} is not an endpoint "
+                                          "of this server", "code": 404, "param": None}}
     assert r.headers["allow"] == "POST"
 
 

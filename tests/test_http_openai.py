@@ -170,6 +170,15 @@ def test_a_streams_chunks_share_one_created_and_carry_usage(server, monkeypatch)
             assert len({e["created"] for e in events}) == 1, (path, events)
             assert all("usage" in e for e in events), path
             assert [e["usage"] is None for e in events] == [True] * (len(events) - 1) + [False]
+            # continuous_usage_stats (vLLM's, SGLang's) was dropped without a word: every chunk
+            # now carries its choice's usage so far, rising to the final count
+            opts = {"include_usage": True, "continuous_usage_stats": True}
+            events = [e for e in post_stream(http, path, {**common, **body,
+                                                          "stream_options": opts})
+                      if e != "[DONE]"]
+            counts = [e["usage"]["completion_tokens"] for e in events]
+            assert counts == sorted(counts) and counts[-1] == 6 and counts[0] < 6, counts
+            assert len({e["usage"]["prompt_tokens"] for e in events}) == 1
 
 
 def test_n_copies_share_the_prompt_and_differ(client, server):

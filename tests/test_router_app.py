@@ -211,14 +211,15 @@ def test_unknown_routes_and_methods_answer_in_the_error_shape(make_cluster):
     client, router, fakes, urls = make_cluster(1)
     r = client.get("/v1/nonexistent")
     assert r.status_code == 404 and r.json() == {
-        "object": "error", "message": "Not Found", "type": "NotFoundError", "param": None,
-        "code": 404}
+        "object": "error", "message": "Not Found: /v1/nonexistent is not an endpoint of this "
+        "server", "type": "NotFoundError", "param": None, "code": 404}
     r = client.get("/v1/chat/completions")
     assert r.status_code == 405 and r.headers["allow"] == "POST"
     assert r.json()["type"] == "MethodNotAllowedError" and r.json()["code"] == 405
     r = client.post("/nowhere")
     assert r.status_code == 404
-    assert r.json() == {"error": {"message": "Not Found", "code": 404, "param": None}}
+    assert r.json() == {"error": {"message": "Not Found: /nowhere is not an endpoint of this "
+                                  "server", "code": 404, "param": None}}
     # /v1/models/{model} is not unknown: forwarded (the fake worker has no such route)
     r = client.get("/v1/models/some/model")
     assert r.status_code == 404 and r.text == "Not Found"  # the worker's plain answer
