@@ -6,6 +6,9 @@ from __future__ import annotations
 from ..router.config import ERROR_TYPES, RESTARTING_HEADER
 
 
+RETRY_AFTER_S = "1"
+
+
 class APIError(Exception):
     """An error the client caused (or must hear about); the server formats it per API."""
 
@@ -14,7 +17,8 @@ class APIError(Exception):
                  headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
-        self.headers = headers
+        # a 429 is the server's load: say when to come back (OpenAI's clients read it)
+        self.headers = {"Retry-After": RETRY_AFTER_S} if status == 429 and not headers else headers
         self.message = message
         self.param = param
         self.code = code if code is not None else status

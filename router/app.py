@@ -177,8 +177,9 @@ class Router:
 
     @staticmethod
     def _reject(route, status, message, finish) -> Response:
-        finish(status)
-        return error_response(route, status, message)
+        finish(status)  # a 429 is load: say when to come back (OpenAI's clients read it)
+        return error_response(route, status, message,
+                              {"Retry-After": "1"} if status == 429 else None)
 
     async def info(self, request: Request) -> Response:
         raw = await read_body(request, self.config.max_payload_size)

@@ -312,7 +312,7 @@ def test_queue_limit_gives_429(engine, tiny_llama_path):
             time.sleep(0.01)
         refused = httpx.post(url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "q",
                                                             "max_tokens": 2}, timeout=10)
-        assert refused.status_code == 429
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
         assert "max_queued_requests=2" in refused.json()["message"]
         release.set()
         for t in senders:

@@ -160,7 +160,10 @@ def test_429_beyond_max_concurrency_and_queue(make_cluster):
                                                queue_timeout=10)
 
     def one(i):
-        return client.post("/generate", json={"text": f"request {i}"}).status_code
+        r = client.post("/generate", json={"text": f"request {i}"})
+        # a 429 says when to come back (OpenAI's clients wait that long before retrying)
+        assert (r.headers.get("retry-after") == "1") == (r.status_code == 429)
+        return r.status_code
 
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         codes = sorted(pool.map(one, range(6)))
