@@ -97,9 +97,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="per-replica: replica i listens on base + i; per-node: on base + the "
                         "number of replicas placed before it on the same node (one replica per "
                         "node: all on base, as the Helm chart expects)")
-    p.add_argument("--api-key", default=None,
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                    help="require Authorization: Bearer KEY on every endpoint but /health* and "
-                        "/metrics")
+                        f"/metrics; default: ${API_KEY_ENV} (out of process listings)")
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="answer 429 beyond this many requests waiting for their first token; "
                         "None: no limit")
@@ -172,6 +172,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         else:
             g.add_argument(flag, type=kind, default=default, choices=choices.get(name),
                            help=help_text)
+
+
+API_KEY_ENV = "RADIXRAY_API_KEY"  # --api-key's default: a key no `ps` shows
 
 
 def router_env(api_key: str | None) -> dict[str, str]:

@@ -294,6 +294,35 @@ def test_bad_values_are_rejected_naming_the_field(values, field):
         helm.Chart.load(CHART).render(values, name="demo", namespace="llm")
 
 
+def test_an_api_key_comes_from_a_secret_into_serve_and_the_router(monkeypatch):
+    """The only way to a key was serve.extraArgs: in clear text in the RayCluster and in `ps`,
+    and the router Deployment never got the key its health and admin requests need."""
+    from radixray.cluster.serve import API_KEY_ENV, add_serve_arguments
+    from radixray.router.config import WORKER_API_KEY_ENV
+
+    docs = render({"apiKey": {"existingSecret": "llm-key", "secretKey": "token"}})
+    ref = {"secretKeyRef": {"name": "llm-key", "key": "token"}}
+    (cluster,) = by_kind(docs, "RayCluster")
+    (head,) = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    assert head["env"] == [{"name": API_KEY_ENV, "valueFrom": ref}]
+    assert "token" not in container_command(head) and "llm-key" not in container_command(head)
+    (router,) = by_kind(docs, "Deployment")
+    assert router["spec"]["template"]["spec"]["containers"][0]["env"] == [
+        {"name": WORKER_API_KEY_ENV, "valueFrom": ref}]
+    kubernetes_validate.validate(as_pod(cluster["spec"]["headGroupSpec"]["template"]),
+                                 K8S_VERSION, strict=True)
+    # serve takes the variable as --api-key's default
+    monkeypatch.setenv(API_KEY_ENV, "s3cret")
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert parser.parse_args([]).api_key == "s3cret"
+    assert parser.parse_args(["--api-key", "other"]).api_key == "other"
+    for name in ("default", "no-router-values.yaml"):  # no Secret: no env at all
+        docs = render(values_for(name))
+        for kind in ("RayCluster", "Deployment"):
+            assert "env" not in str(by_kind(docs, kind)), (name, kind)
+
+
 def test_long_release_names_keep_kuberay_names_valid():
     docs = render({}, name="a-very-long-release-name-for-a-production-cluster-x")
     (cluster,) = by_kind(docs, "RayCluster")

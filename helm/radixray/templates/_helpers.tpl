@@ -142,3 +142,17 @@ livenessProbe:
       - {{ printf "wget -q -T 5 -O /dev/null http://127.0.0.1:%v/liveness || ! grep -qs 'radixray[.]router' /proc/[0-9]*/cmdline" .Values.serve.port | quote }}
   {{- toYaml .Values.probes.liveness | nindent 2 }}
 {{- end -}}
+
+{{/*
+The API key from .Values.apiKey's Secret as the environment variable named by "var" (a list
+item of a container's env), or nothing without a Secret. Call with (dict "root" . "var" NAME).
+*/}}
+{{- define "radixray.apiKeyEnv" -}}
+{{- with .root.Values.apiKey }}{{ if .existingSecret }}
+- name: {{ $.var }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ .existingSecret | quote }}
+      key: {{ .secretKey | quote }}
+{{- end }}{{ end }}
+{{- end }}
