@@ -125,7 +125,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="Ray cluster to join (e.g. auto); None: start a local Ray")
     g.add_argument("--ray-dashboard-port", type=int, default=None,
                    help="start the local Ray's dashboard on this port of 127.0.0.1 (for `ray "
-                        "list`, `ray status` and the web view; it can run jobs, so it never "
+                        "list` and the web view; it can run jobs, so it never "
                         "listens beyond loopback); None: no dashboard, a quicker start. A "
                         "cluster joined with --ray-address has its own")
     g.add_argument("--ray-namespace", default="radixray",

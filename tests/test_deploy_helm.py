@@ -251,8 +251,7 @@ def test_servicemonitor(case):
     assert endpoint["interval"] == values["serviceMonitor"]["interval"]
     scraped = [s for s in by_kind(docs, "Service") if selects(spec["selector"]["matchLabels"], s["metadata"]["labels"])]
     jobs = {s["metadata"]["labels"][spec["jobLabel"]] for s in scraped}
-    expected = {"radixray-replicas"} | ({"radixray-router"} if values["router"]["enabled"] else set())
-    assert jobs == expected
+    assert jobs == {"radixray-replicas", "radixray-router"}  # without the Deployment: serve's
     # The alert rules select on these job names.
     assert alert_jobs() <= jobs
     for service in scraped:
@@ -323,6 +322,41 @@ def test_an_api_key_comes_from_a_secret_into_serve_and_the_router(monkeypatch):
             assert "env" not in str(by_kind(docs, kind)), (name, kind)
 
 
+def test_without_the_router_deployment_serves_router_is_scraped():
+    """With router.enabled=false nothing scraped the head's router: its dashboard stayed empty
+    and RadixrayRouterBreakerOpen could never fire."""
+    docs = render({**values_for("no-router-values.yaml"), "serviceMonitor": {"enabled": True}})
+    (monitor,) = by_kind(docs, "ServiceMonitor")
+    (cluster,) = by_kind(docs, "RayCluster")
+    head = cluster["spec"]["headGroupSpec"]["template"]
+    services = [s for s in by_kind(docs, "Service")
+                if selects(monitor["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])]
+    (router,) = [s for s in services if s["metadata"]["labels"]["radixray.io/job"]
+                 == "radixray-router"]
+    assert selects(router["spec"]["selector"], head["metadata"]["labels"])
+    (port,) = router["spec"]["ports"]
+    assert port["targetPort"] == "http" and port["port"] == merged_values(
+        "no-router-values.yaml")["serve"]["port"]
+    assert {"name": "http", "containerPort": port["port"]} in head["spec"]["containers"][0][
+        "ports"]
+    kubernetes_validate.validate(router, K8S_VERSION, strict=True)
+
+
+def test_worker_resources_can_drop_the_defaults_and_claim_names_stay_strings():
+    """`--set ray.worker.resources.requests=null` rendered `requests: null` plus the GPU line,
+    which is no YAML; a claim named 123 rendered as a number, which the API server refuses."""
+    docs = render({"ray": {"worker": {"resources": {"requests": None, "limits": None}}},
+                   "model": {"persistentVolumeClaim": "123"}})
+    (cluster,) = by_kind(docs, "RayCluster")
+    pod = cluster["spec"]["workerGroupSpecs"][0]["template"]
+    assert pod["spec"]["containers"][0]["resources"] == {"requests": {"nvidia.com/gpu": 1},
+                                                         "limits": {"nvidia.com/gpu": 1}}
+    claims = [v["persistentVolumeClaim"]["claimName"] for v in pod["spec"]["volumes"]
+              if "persistentVolumeClaim" in v]
+    assert claims == ["123"]
+    kubernetes_validate.validate(as_pod(pod), K8S_VERSION, strict=True)
+
+
 def test_long_release_names_keep_kuberay_names_valid():
     docs = render({}, name="a-very-long-release-name-for-a-production-cluster-x")
     (cluster,) = by_kind(docs, "RayCluster")
@@ -342,3 +376,6 @@ def test_dockerfile_builds_the_default_image():
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     version = re.search(r'^version = "([^"]+)"', (REPO / "pyproject.toml").read_text(), re.M).group(1)
     assert chart["appVersion"] == version
+    # the image's Ray is the one the chart tells KubeRay (a drift breaks the cluster)
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert f'ARG RAY_SPEC="ray[default]=={values["ray"]["version"]}"' in text

@@ -86,7 +86,7 @@ last, so they can override any of these (argparse keeps the last value).
 {{- if .Values.model.persistentVolumeClaim }}
 - name: model
   persistentVolumeClaim:
-    claimName: {{ .Values.model.persistentVolumeClaim }}
+    claimName: {{ .Values.model.persistentVolumeClaim | quote }}
     readOnly: true
 {{- end }}
 {{- end -}}
