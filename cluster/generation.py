@@ -36,7 +36,8 @@ LARGE_BODY_BYTES = 64 << 10
 # schema can keep busy for seconds (a regex ``pattern`` with a large repetition count:
 # ``scheduler/grammar.py`` refuses those, but the next such shape should not freeze the
 # replica's event loop either). xgrammar releases the GIL while it parses.
-GRAMMAR_MARKERS = (b'"json_schema"', b'"regex"', b'"ebnf"', b'"response_format"', b'"tools"')
+GRAMMAR_MARKERS = (b'"json_schema"', b'"regex"', b'"ebnf"', b'"structural_tag"',
+                   b'"response_format"', b'"tools"')
 
 
 async def prepare_off_loop_if_large(request, prepare, *args):

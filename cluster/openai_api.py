@@ -48,8 +48,12 @@ class JsonSchemaFormat(BaseModel):
 
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # structural_tag: SGLang's structures and triggers, or xgrammar's format
+    structures: list[Any] | None = None
+    triggers: list[Any] | None = None
+    format: dict[str, Any] | None = None
 
 
 class _SamplingFields(BaseModel):
@@ -140,7 +144,8 @@ def client_field_names(body: _SamplingFields) -> dict[str, str]:
     if getattr(body, "max_completion_tokens", None) is not None:
         names["max_new_tokens"] = "max_completion_tokens"
     if body.response_format is not None and body.response_format.type != "text":
-        names["json_schema"] = "response_format"  # the schema came from there
+        names["json_schema"] = "response_format"  # the grammar came from there
+        names["structural_tag"] = "response_format"
     return names
 
 
@@ -166,6 +171,9 @@ def sampling_params(body: _SamplingFields, max_new_tokens: int,
                               param="response_format")
         if fmt.type == "json_object":
             values["json_schema"] = '{"type": "object"}'
+        elif fmt.type == "structural_tag":
+            values["structural_tag"] = json.dumps(fmt.model_dump(
+                include={"type", "structures", "triggers", "format"}, exclude_none=True))
         elif fmt.json_schema is None or fmt.json_schema.schema_ is None:
             raise bad_request("response_format.json_schema.schema: required for type "
                               "json_schema", param="response_format")

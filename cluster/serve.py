@@ -3,8 +3,8 @@
 The command starts (or joins, with ``--ray-address``) a Ray cluster, starts ``--replicas``
 replica actors (each a scheduler head plus ``--tp-size`` worker actors, see ``replica.py``),
 each serving HTTP on a port from ``--replica-base-port`` (``replica_port``), then runs the
-router on ``--port`` in its own process (``python -m radixray.router``: it imports no torch)
-and waits. Ctrl-C or SIGTERM stops the router, the replicas and the local Ray.
+router on ``--port`` in its own process (``router_process.py``) and waits, starting the router
+again if it exits. Ctrl-C or SIGTERM stops the router, the replicas and the local Ray.
 """
 
 from __future__ import annotations
@@ -12,25 +12,27 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shlex
 import signal
 import subprocess
 import sys
 import time
 
-from ..router.config import POLICY_NAMES, WORKER_API_KEY_ENV
+from ..router.config import POLICY_NAMES
 from .engine_protocol import HEALTH_CHECK_TIMEOUT_S as REPLICA_HEALTH_TIMEOUT_S
+from .router_process import (ROUTER_HEALTH_MARGIN_S, ROUTER_MAX_RESTARTS,
+                             ROUTER_RESTART_WINDOW_S, check_router_args, die_with_parent,
+                             discovery_args, exit_reason, router_command, router_env)
 from .tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 DEMO_MODEL_NAME = "radixray-demo"  # what clients send as "model" to the built-in demo model
 REPLICA_PORT_POLICIES = ("per-replica", "per-node")
-ROUTER_RESTART_WINDOW_S, ROUTER_MAX_RESTARTS = 60.0, 5  # more exits than that: serve gives up
-ROUTER_HEALTH_MARGIN_S = 5.0  # the router's health checks wait this much longer than /health
 
 # Scheduler arguments as flags: SchedulerConfig's field -> (type, help). Defaults come from
 # SchedulerConfig itself, so --help always shows the real ones.
 _SCHEDULER_FLAGS = {
     "schedule_policy": (str, "waiting-queue order"),
+    "schedule_max_wait": (float, "lpm, dfs-weight, lof, routing-key: a request waiting longer "
+                                 "(s) goes first, oldest first; 0: never"),
     "schedule_conservativeness": (float, "> 1 admits fewer requests at once, < 1 more"),
     "chunked_prefill_size": (int, "longest prefill piece per step; -1 turns chunking off"),
     "max_prefill_tokens": (int, "prompt tokens per prefill batch"),
@@ -177,36 +179,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 API_KEY_ENV = "RADIXRAY_API_KEY"  # --api-key's default: a key no `ps` shows
 
 
-def router_env(api_key: str | None) -> dict[str, str]:
-    """The router's environment: ours, plus the replicas' API key (for the router's own
-    requests to them) when they have one; the environment, not argv, keeps it out of ``ps``."""
-    env = dict(os.environ)
-    if api_key:
-        env[WORKER_API_KEY_ENV] = api_key
-    return env
-
-
-def _exit_reason(code: int) -> str:
-    """A child's exit status in words: "exit code 1", "killed by SIGKILL"."""
-    names = {s.value: s.name for s in signal.Signals}
-    return f"exit code {code}" if code >= 0 else f"killed by {names.get(-code, -code)}"
-
-
-def _die_with_parent():
-    """A preexec_fn that makes the router get SIGTERM when serve exits, however it exits.
-
-    When its Ray cluster goes away (``ray stop``, ``ray down``), Ray ends this driver with a hard
-    exit that skips ``finally``; without this the router would keep the port, answering 503.
-    Linux only (``prctl``); None elsewhere. The libc call is looked up here, before the fork.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-
 def missing_resources(cluster: dict, device: str, ranks: int) -> str | None:
     """What ``ranks`` ranks on ``device`` need beyond ``cluster``'s total resources (as
     ``ray.cluster_resources()``), as "4 CPU" ; None if they fit."""
@@ -217,48 +189,11 @@ def missing_resources(cluster: dict, device: str, ranks: int) -> str | None:
     return ", ".join(short) or None
 
 
-def router_command(args: argparse.Namespace, urls: list[str], discovery: list[str]) -> list[str]:
-    """The router process serve starts. Its health checks wait longer than a replica's /health
-    takes to give its verdict: with equal limits the router gave up first, and a busy replica
-    (whose late answer is "healthy") dropped out of rotation after three checks."""
-    return [sys.executable, "-m", "radixray.router", "--host", args.host, "--port",
-            str(args.port), "--policy", args.router_policy, "--worker-urls", *urls,
-            "--health-check-timeout", f"{args.health_check_timeout + ROUTER_HEALTH_MARGIN_S:g}",
-            "--health-check-interval", f"{args.health_check_interval:g}",
-            *discovery, *shlex.split(args.router_args)]
-
-
-def check_router_args(args: argparse.Namespace) -> None:
-    """ValueError naming the flag if the router would refuse its command (--router-args)."""
-    from ..router.cli import add_router_arguments, config_from_args
-
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):  # instead of printing the usage and exiting
-            raise ValueError(message)
-
-    try:
-        command = router_command(args, [], [])  # (shlex: ValueError for a lone quote)
-        config_from_args(add_router_arguments(Parser()).parse_args(command[3:]))
-    except (argparse.ArgumentError, ValueError) as e:
-        raise ValueError(f"router_args: {e}") from None
-
-
 def ray_dashboard_args(port: int | None) -> dict:
     """ray.init's dashboard arguments: none, or one on loopback (a dashboard runs jobs)."""
     if port is None:
         return {"include_dashboard": False}
     return {"include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": port}
-
-
-def discovery_args(ray, namespace: str) -> list[str]:
-    """The router's flags to watch this driver's Ray cluster for the replicas in ``namespace``;
-    none when its GCS address is not known here (a Ray Client connection): the router then
-    keeps the start-up URLs."""
-    try:
-        address = ray.get_runtime_context().gcs_address
-    except Exception:  # noqa: BLE001 - any failure only costs discovery
-        return []
-    return ["--ray-address", address, "--ray-namespace", namespace] if address else []
 
 
 def server_args_from(args: argparse.Namespace) -> dict:
@@ -356,7 +291,7 @@ def run_serve(args: argparse.Namespace) -> int:
         # The router starts with the replicas' URLs and also watches Ray: a head that Ray
         # restarts elsewhere, or where its port is taken, serves at another URL.
         command = router_command(args, urls, discovery_args(ray, args.ray_namespace))
-        router = subprocess.Popen(command, preexec_fn=_die_with_parent(),
+        router = subprocess.Popen(command, preexec_fn=die_with_parent(),
                                   env=router_env(args.api_key))
         print(f"radixray serving {args.served_model_name or model_path} at "
               f"http://{args.host}:{args.port} (router; OpenAI API under /v1, SGLang native "
@@ -375,13 +310,13 @@ def run_serve(args: argparse.Namespace) -> int:
             exits.append(time.monotonic())
             if len(exits) > ROUTER_MAX_RESTARTS:
                 print(f"radixray serve: error: the router exited {len(exits)} times within "
-                      f"{ROUTER_RESTART_WINDOW_S:g} s (last: {_exit_reason(code)}); stopping",
+                      f"{ROUTER_RESTART_WINDOW_S:g} s (last: {exit_reason(code)}); stopping",
                       file=sys.stderr, flush=True)
                 return 1
-            print(f"radixray serve: the router exited ({_exit_reason(code)}); starting it "
+            print(f"radixray serve: the router exited ({exit_reason(code)}); starting it "
                   "again", file=sys.stderr, flush=True)
             time.sleep(1.0)  # its port is free again once the kernel has closed its socket
-            router = subprocess.Popen(command, preexec_fn=_die_with_parent(),
+            router = subprocess.Popen(command, preexec_fn=die_with_parent(),
                                       env=router_env(args.api_key))
             if stopping:  # a SIGTERM meanwhile signalled the old one
                 router.terminate()

@@ -19,6 +19,9 @@ WRITE_POLICIES = ("write_through", "write_back")  # hierarchical cache
 @dataclass(frozen=True)
 class SchedulerConfig:
     schedule_policy: str = "fcfs"
+    # lpm, dfs-weight, lof, routing-key: a request waiting longer than this (seconds) goes
+    # first, oldest first, so none waits for ever behind a stream of others; 0: never (SGLang).
+    schedule_max_wait: float = 10.0
     # Scales the decode-token reservation (new_token_ratio): > 1 admits fewer requests at once
     # and retracts less; < 1 admits more and retracts more.
     schedule_conservativeness: float = 1.0
@@ -86,6 +89,10 @@ class SchedulerConfig:
               or isinstance(self.disable_overlap_schedule, bool), "disable_overlap_schedule",
               "must be true, false or unset")
         check(is_int(self.random_seed), "random_seed", "must be an integer")
+        check(isinstance(self.schedule_max_wait, (int, float))
+              and not isinstance(self.schedule_max_wait, bool)
+              and 0 <= self.schedule_max_wait < math.inf, "schedule_max_wait",
+              "must be a number of seconds >= 0 (0: never)")
         check(isinstance(self.grammar_compile_timeout, (int, float))
               and not isinstance(self.grammar_compile_timeout, bool)
               and self.grammar_compile_timeout > 0, "grammar_compile_timeout",

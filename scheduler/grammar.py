@@ -28,10 +28,12 @@ from typing import Callable, Sequence
 
 import xgrammar as xgr
 
+from ..worker.sampling_params import CONSTRAINT_KINDS
 from .grammar_check import unfinishable_rule
 from .grammar_state import GrammarState, GrammarVocab
 
-KINDS = ("json_schema", "regex", "ebnf")
+KINDS = CONSTRAINT_KINDS
+JSON_KINDS = ("json_schema", "structural_tag")  # given as JSON (an object is accepted too)
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # what OpenAI's response_format json_object means
 _XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+?:\d+: (Check failed: .*? is false: )?")
 # xgrammar 0.2.9 writes the characters of a string with minLength/maxLength as this class,
@@ -68,10 +70,10 @@ def _normalize(kind: str, text) -> str:
     """Check ``kind`` and return the grammar text the cache is keyed by."""
     if kind not in KINDS:
         raise GrammarError("constraint", f"unknown kind {kind!r}; expected one of {KINDS}")
-    if kind == "json_schema" and isinstance(text, (dict, bool)):
+    if kind in JSON_KINDS and isinstance(text, (dict, bool)):
         text = json.dumps(text, sort_keys=True)  # a schema object from a client library
     # " " is a regex (one space) and an EBNF string can be blank only where it is invalid
-    if not isinstance(text, str) or not (text.strip() if kind == "json_schema" else text):
+    if not isinstance(text, str) or not (text.strip() if kind in JSON_KINDS else text):
         raise GrammarError(kind, "must be a non-empty string")
     return text
 
@@ -112,11 +114,38 @@ def _grammar(kind: str, text: str) -> xgr.Grammar:
         return xgr.Grammar.from_regex(text)
     if kind == "ebnf":
         return xgr.Grammar.from_ebnf(text)
-    grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False)
+    if kind == "structural_tag":
+        grammar = _structural_tag(text)
+    else:
+        grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False)
     ebnf = str(grammar)
     if _LOOSE_JSON_CHAR in ebnf:  # the printed EBNF parses back to the same grammar
         grammar = xgr.Grammar.from_ebnf(ebnf.replace(_LOOSE_JSON_CHAR, _STRICT_JSON_CHAR))
     return grammar
+
+
+def _structural_tag(text: str) -> xgr.Grammar:
+    """A structural tag: xgrammar's format (``{"type": "structural_tag", "format": ...}``), or
+    SGLang's (``structures``: ``begin``, ``schema``, ``end``; ``triggers``). Free text until
+    a trigger, then the tag whose ``begin`` follows, its content constrained, until its end."""
+    try:
+        tag = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"not valid JSON ({e})") from None
+    if not (isinstance(tag, dict) and "structures" in tag):
+        return xgr.Grammar.from_structural_tag(text)
+    structures, triggers = tag["structures"], tag.get("triggers")
+    if not (isinstance(structures, list) and structures and isinstance(triggers, list)
+            and all(isinstance(t, str) and t for t in triggers)):
+        raise ValueError("structures must be a non-empty list and triggers a list of strings")
+    items = []
+    for i, item in enumerate(structures):
+        if not (isinstance(item, dict) and isinstance(item.get("begin"), str)
+                and isinstance(item.get("end"), str) and isinstance(item.get("schema"), dict)):
+            raise ValueError(f"structures[{i}] needs begin and end strings and a schema object")
+        items.append(xgr.StructuralTagItem(begin=item["begin"], end=item["end"],
+                                           schema=json.dumps(item["schema"])))
+    return xgr.Grammar.from_structural_tag(items, triggers)
 
 
 def wrapped_json_schema_ebnf(prefix: str, schema: str, suffix: str) -> str:
@@ -150,7 +179,7 @@ def validate_grammar(kind: str, text) -> None:
 
 @functools.lru_cache(maxsize=1024)
 def _parse_problem(kind: str, text: str) -> str | None:
-    if kind == "json_schema" and (problem := _pattern_problem(text)):
+    if kind in JSON_KINDS and (problem := _pattern_problem(text)):
         return problem
     try:
         grammar = _grammar(kind, text)

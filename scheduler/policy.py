@@ -2,7 +2,9 @@
 
 A policy reorders the waiting queue in place before each prefill round; the prefill adder then
 takes requests from the front. Each policy is a small class in ``POLICIES``; stable sorts keep
-the queue's order (arrival, with retracted requests in front) among equals.
+the queue's order (arrival, with retracted requests in front) among equals. A policy that
+orders by something else than arrival or an explicit priority is wrapped in ``OldestFirst``,
+so that no request waits behind a stream of others for ever.
 
 ``InBatchPrefixSharing`` works inside one round: among requests that missed the cache, one that
 shares a long prefix with a request admitted ahead of it is held back, so the prefix is computed
@@ -12,6 +14,7 @@ once and the others hit the cache in the next round.
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
@@ -127,10 +130,39 @@ POLICIES = {
 }
 
 
-def make_policy(name: str, seed: int = 0):
+# Orders that may pass a request over for as long as others keep arriving: lpm and dfs-weight
+# (a prompt that hits nothing, behind prompts that hit), lof (a short answer behind long
+# ones), routing-key (a key nothing running shares).
+UNFAIR_POLICIES = ("lpm", "dfs-weight", "lof", "routing-key")
+
+
+class OldestFirst:
+    """``inner``'s order, except that requests waiting longer than ``max_wait_s`` go first,
+    oldest first. Under SGLang's lpm a request with no cache hit waits for ever while requests
+    that hit keep coming (a probe: 600 steps, 410 others served); past the bound the queue
+    turns first come, first served for it, which is also what an overloaded queue gets."""
+
+    def __init__(self, inner, max_wait_s: float, clock=time.perf_counter):
+        self.inner, self.max_wait_s, self.clock = inner, max_wait_s, clock
+
+    def order(self, waiting: list[Req], view: QueueView) -> None:
+        self.inner.order(waiting, view)
+        now = self.clock()
+        overdue = [r for r in waiting if now - r.submitted_at > self.max_wait_s]
+        if overdue:
+            first = {id(r) for r in overdue}
+            overdue.sort(key=lambda r: r.submitted_at)
+            waiting[:] = overdue + [r for r in waiting if id(r) not in first]
+
+
+def make_policy(name: str, seed: int = 0, max_wait_s: float = 0.0):
+    """The policy ``name``; one of ``UNFAIR_POLICIES`` wrapped in ``OldestFirst`` when
+    ``max_wait_s`` > 0."""
     if name not in POLICIES:
         raise ValueError(f"schedule_policy: must be one of {', '.join(POLICIES)} (got {name!r})")
-    return POLICIES[name](seed) if name == "random" else POLICIES[name]()
+    policy = POLICIES[name](seed) if name == "random" else POLICIES[name]()
+    return OldestFirst(policy, max_wait_s) if name in UNFAIR_POLICIES and max_wait_s > 0 \
+        else policy
 
 
 class InBatchPrefixSharing:

@@ -43,9 +43,9 @@ class PrefillAdder:
         self.rem_input_tokens = max_prefill_tokens - mixed_decode_tokens
         self.rem_chunk_tokens = None if chunk_size is None else chunk_size - mixed_decode_tokens
         # Nothing else holds or will claim memory: a request is then admitted as long as its
-        # prompt fits, without a reservation for its output; otherwise a request whose
-        # prompt + max_new_tokens exceeds the pool would wait forever. Retraction (and, for a
-        # request alone, abort) handles running out later.
+        # prompt fits, whatever its output needs; otherwise a request whose prompt +
+        # max_new_tokens exceeds what is free would wait forever. Retraction handles running
+        # out later. Its output is reserved all the same against the requests after it.
         self.alone = not running and not has_chunked_req
         self.can_run: list[Req] = []
         self.new_chunked_req: Req | None = None
@@ -100,8 +100,10 @@ class PrefillAdder:
         result says whether more requests may follow."""
         alone = self.alone and not self.can_run
         extend = req.total_len - req.tree_len
-        reserve = 0 if alone else min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS)
-        need = self._page_ceil(extend) + reserve
+        # A request alone needs only its prompt to fit; its output is still reserved once it
+        # is in, against the requests after it (they over-committed by its max_new_tokens)
+        reserve = min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS)
+        need = self._page_ceil(extend) + (0 if alone else reserve)
 
         def out_of_slots() -> bool:
             return need > self.rem_total_tokens if alone else need >= self.rem_total_tokens

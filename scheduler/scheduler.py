@@ -58,7 +58,8 @@ class Scheduler:
                                   getattr(runner, "host_pool_tokens", 0)
                                   if config.enable_hierarchical_cache else 0,
                                   config.hicache_write_policy)
-        self.policy = make_policy(config.schedule_policy, config.random_seed)
+        self.policy = make_policy(config.schedule_policy, config.random_seed,
+                                  config.schedule_max_wait)
         self.ratio = NewTokenRatio(config.schedule_conservativeness)
         self.stop = StopChecker(eos_token_ids, decode, self.max_context_len)
         self.waiting: list[Req] = []

@@ -239,7 +239,7 @@ def test_invalid_grammars_are_rejected_at_entry(jump_engine):
         jump_engine.generate(prompt="a", sampling_params={"regex": "a(b"})
     with pytest.raises(ValueError, match=r"^ebnf: .*not defined"):
         jump_engine.generate(prompt="a", sampling_params={"ebnf": "root ::= foo"})
-    with pytest.raises(ValueError, match="at most one of regex, json_schema and ebnf"):
+    with pytest.raises(ValueError, match="at most one of regex, json_schema, ebnf and structural_tag"):
         jump_engine.generate(prompt="a", sampling_params={"regex": "a", "ebnf": 'root ::= "a"'})
     assert not jump_engine.scheduler.live
 

@@ -100,8 +100,8 @@ def test_the_head_serves_its_router_whether_or_not_the_router_deployment_exists(
     """router.enabled only adds the Deployment: `radixray serve` on the head always runs its own
     router on serve.port (`python -m radixray.router`, the process the head's liveness probe
     looks for), so the head's probes are the same either way."""
-    serve_source = (REPO / "cluster" / "serve.py").read_text()
-    assert '"-m", "radixray.router"' in serve_source
+    source = (REPO / "cluster" / "router_process.py").read_text()
+    assert '"-m", "radixray.router"' in source
     heads = [head_container(render(v)) for v in ({}, {"router": {"enabled": False}})]
     assert heads[0]["livenessProbe"] == heads[1]["livenessProbe"]
     assert heads[0]["readinessProbe"] == heads[1]["readinessProbe"]

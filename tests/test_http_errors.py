@@ -78,7 +78,7 @@ BAD_INPUTS = [
     ("/generate", {"text": "a", "sampling_params": {"top_p": 0}}, 400, "top_p: must be in (0, 1]"),
     ("/generate", {"text": "a", "sampling_params": {"top_p": 1.5}}, 400, "top_p"),
     ("/generate", {"text": "a", "sampling_params": {"regex": "a+", "json_schema": "{}"}}, 400,
-     "at most one of regex, json_schema and ebnf"),
+     "at most one of regex, json_schema, ebnf and structural_tag"),
     ("/generate", {"text": "a", "sampling_params": {"json_schema": "{bad"}}, 400,
      "json_schema: not valid JSON"),
     ("/generate", {"text": "a", "sampling_params": {"bogus": 1}}, 400,
@@ -106,7 +106,7 @@ BAD_INPUTS = [
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "a", "logprobs": 50}, 400, "logprobs"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": TOO_LONG}, 400, "prompt: the prompt has"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "a", "regex": "a", "ebnf": "x"}, 400,
-     "at most one of regex, json_schema and ebnf"),
+     "at most one of regex, json_schema, ebnf and structural_tag"),
     # errors name the client's fields, in the message too
     ("/v1/completions", {**COMPLETION, "min_tokens": 9, "max_tokens": 2},
      400, "min_tokens: must not exceed max_tokens", "min_tokens"),

@@ -175,11 +175,31 @@ def test_the_router_waits_for_a_busy_replicas_health_verdict():
         args = build_parser().parse_args(["serve", *flags])
         assert args.health_check_timeout == replica_limit
         command = router_command(args, ["http://127.0.0.1:1"], [])
-        assert command[1:3] == ["-m", "radixray.router"]
-        router = add_router_arguments(argparse.ArgumentParser()).parse_args(command[3:])
+        module = command.index("-m")
+        assert command[module + 1] == "radixray.router"
+        router = add_router_arguments(argparse.ArgumentParser()).parse_args(command[module + 2:])
         assert router.health_check_timeout >= replica_limit + 5
         # (serve gave its router no interval: a restarted replica waited up to 10 s for work)
         assert router.health_check_interval == interval
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="python -P is 3.11's")
+def test_the_router_ignores_modules_in_serves_working_directory(tmp_path):
+    """serve ran `python -m radixray.router` in its own working directory, which Python puts
+    first on the path: a user's h2.py there shadowed a module the router imports, and the
+    router crashed at every start while the replicas stayed up."""
+    from radixray.cluster.serve import router_command
+
+    (tmp_path / "radixray").mkdir()  # shadows the whole package, not only one module
+    (tmp_path / "radixray" / "__init__.py").write_text("raise SystemExit(7)\n")
+    args = build_parser().parse_args(["serve"])
+    command = router_command(args, ["http://127.0.0.1:1"], [])
+    module = command.index("-m")
+    result = subprocess.run([*command[:module + 2], "--help"], cwd=tmp_path, timeout=60,
+                            capture_output=True, text=True)
+    assert result.returncode == 0 and "--cache-threshold" in result.stdout, result.stderr
+    shadowed = [sys.executable, "-m", "radixray.router", "--help"]
+    assert subprocess.run(shadowed, cwd=tmp_path, timeout=60).returncode == 7
 
 
 def test_router_args_reach_the_router_and_bad_ones_fail_serve_at_once():
@@ -193,7 +213,8 @@ def test_router_args_reach_the_router_and_bad_ones_fail_serve_at_once():
                                       "--cache-threshold 0.3 --tree-chars-per-token 2.5"])
     check_router_args(args)
     command = router_command(args, ["http://127.0.0.1:1"], [])
-    router = add_router_arguments(argparse.ArgumentParser()).parse_args(command[3:])
+    flags = command[command.index("radixray.router") + 1:]
+    router = add_router_arguments(argparse.ArgumentParser()).parse_args(flags)
     assert (router.cache_threshold, router.tree_chars_per_token) == (0.3, 2.5)
     for bad, problem in (("--cache-threshold 7", "cache_threshold: must be in [0, 1]"),
                          ("--no-such-flag 1", "unrecognized arguments"),

@@ -26,7 +26,8 @@ def req(rid, prompt, max_new=8, **kw):
     ("schedule_policy", "shortest"), ("schedule_conservativeness", 0),
     ("chunked_prefill_size", 0), ("max_prefill_tokens", -5), ("max_total_tokens", 0),
     ("max_running_requests", 1.5), ("page_size", 0), ("radix_eviction_policy", "lifo"),
-    ("disable_radix_cache", "yes"), ("enable_mixed_chunk", 1),
+    ("disable_radix_cache", "yes"), ("enable_mixed_chunk", 1), ("schedule_max_wait", -1),
+    ("schedule_max_wait", float("inf")),
 ])
 def test_config_errors_name_the_argument(name, value):
     with pytest.raises(ValueError, match=f"^{name}: "):
@@ -160,7 +161,55 @@ def test_max_prefill_tokens_lets_only_the_first_request_exceed_it():
     assert adder.add_one_req(b) is AddResult.OTHER and adder.can_run == [a]
 
 
+def test_a_lone_requests_output_is_reserved_against_the_requests_after_it():
+    """The first request into an idle scheduler needs only its prompt to fit, but its output
+    went unreserved for the rest of the round: five 20-token prompts of 100 new tokens on a
+    300-token pool admitted three where two fit, then retracted one (81 tokens recomputed)."""
+    cache = cache_with(300)
+    adder = PrefillAdder(cache, [], new_token_ratio=1.0, chunk_size=None,
+                         max_prefill_tokens=16384)
+    reqs = [req(f"r{i}", list(range(i * 100, i * 100 + 20)), 100) for i in range(5)]
+    results = []
+    for r in reqs:
+        cache.match(r)
+        results.append(adder.add_one_req(r))
+        if results[-1] is not AddResult.CONTINUE:
+            break
+    assert [r.rid for r in adder.can_run] == ["r0", "r1"]  # 2 x (20 + 100) fit in 300
+    assert adder.reserved == 2 * 120
+    huge = cache_with(300)  # alone, a request needs only its prompt to fit (then retraction)
+    alone = PrefillAdder(huge, [], 1.0, chunk_size=None, max_prefill_tokens=16384)
+    big = req("big", list(range(250)), 100)
+    huge.match(big)
+    assert alone.add_one_req(big) is AddResult.NO_TOKEN and alone.can_run == [big]
+
+
 # ---------------------------------------------------------------- policies
+def test_overdue_requests_go_first_under_orders_that_can_pass_them_over():
+    """lpm sorted a request with no cache hit behind every request that hit, each round: with
+    hitting requests arriving steadily it never ran (a probe: 600 steps, 410 others served)."""
+    from radixray.scheduler.policy import OldestFirst, make_policy
+
+    cache = cache_with(1000, range(100))
+    now = [100.0]
+    policy = OldestFirst(make_policy("lpm"), max_wait_s=10.0, clock=lambda: now[0])
+    miss = req("miss", [999] * 20, 4)
+    hits = [req(f"hit{i}", list(range(100)) + [i], 4) for i in range(3)]
+    for r, t in zip([miss, *hits], [95.0, 96.0, 97.0, 98.0]):
+        r.submitted_at = t
+    waiting = [miss, *hits]
+    policy.order(waiting, QueueView(cache, []))
+    assert waiting[-1] is miss  # 5 s: the cache hits first
+    now[0] = 106.5  # the miss and hit0 are overdue: first, oldest first; the rest by lpm
+    policy.order(waiting, QueueView(cache, []))
+    assert [r.rid for r in waiting[:2]] == ["miss", "hit0"]
+    assert isinstance(make_policy("dfs-weight", max_wait_s=1.0), OldestFirst)
+    for name in ("fcfs", "priority", "random"):  # arrival or explicit order: left alone
+        assert not isinstance(make_policy(name, max_wait_s=1.0), OldestFirst)
+    assert not isinstance(make_policy("lpm", max_wait_s=0), OldestFirst)  # 0: never
+
+
+
 def test_in_batch_sharing_holds_back_only_cache_misses_that_share_enough():
     sharing = InBatchPrefixSharing()
     base = list(range(100))

@@ -19,6 +19,9 @@ GREEDY_TEMPERATURE = 1e-6  # temperature below this means greedy (argmax)
 FLOAT32_MAX = 3.4028234663852886e38
 MIN_REPETITION_PENALTY = 1e-6  # 1 / penalty stays far from float32 overflow
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range, [-100, 100]
+# The grammar constraints, at most one per request (SGLang's names): each a string, a
+# structural tag being its JSON (xgrammar's format, or SGLang's structures and triggers).
+CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 # SGLang sampling parameters radixray knows but does not implement: a value is a 400 saying so.
@@ -49,6 +52,7 @@ class SamplingParams:
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SamplingParams":
@@ -88,7 +92,7 @@ class SamplingParams:
     @property
     def constraint(self) -> tuple[str, str] | None:
         """(kind, text) of the grammar constraint, if any."""
-        for kind in ("json_schema", "regex", "ebnf"):
+        for kind in CONSTRAINT_KINDS:
             value = getattr(self, kind)
             if value is not None:
                 return kind, value
@@ -138,10 +142,10 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
                      "no_stop_trim"):  # "false" would read as true, "no" crash the tokenizer
             check(isinstance(getattr(self, name), bool), name, "must be true or false")
-        for name in ("regex", "json_schema", "ebnf"):
+        for name in CONSTRAINT_KINDS:
             value = getattr(self, name)
             check(value is None or isinstance(value, str), name, "must be a string")
-        for name in ("stop", "stop_regex", "regex", "json_schema", "ebnf"):
+        for name in ("stop", "stop_regex", *CONSTRAINT_KINDS):
             value = getattr(self, name)
             for text in [value] if isinstance(value, str) else value or ():
                 # JSON may escape a lone UTF-16 surrogate; no tokenizer or regex engine takes it
@@ -152,9 +156,9 @@ class SamplingParams:
         check(all(is_num(v) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS
                   for v in (self.logit_bias or {}).values()),
               "logit_bias", f"values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
-        constraints = [k for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None]
+        constraints = [k for k in CONSTRAINT_KINDS if getattr(self, k) is not None]
         check(len(constraints) <= 1, constraints[-1] if constraints else "regex",
-              "at most one of regex, json_schema and ebnf may be given")
+              "at most one of regex, json_schema, ebnf and structural_tag may be given")
         if vocab_size is not None:
             check(all(t < vocab_size for t in self.stop_token_ids), "stop_token_ids",
                   f"token ids must be < vocab size {vocab_size}")
