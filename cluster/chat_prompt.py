@@ -94,7 +94,7 @@ def template_messages(body, template) -> list[dict]:
         message = template_message(m, content or "")
         # after template_message: a call's arguments, a JSON string, are parsed there, and
         # may escape a surrogate ("\\ud800") that only parsing reveals
-        for name in ("name", "tool_call_id", "tool_calls"):
+        for name in ("name", "tool_call_id", "tool_calls", "reasoning_content"):
             check_strings(message.get(name), f"messages[{i}].{name}")
         message["role"] = template_role(m.role, template)
         messages.append(message)
@@ -189,3 +189,25 @@ def _template_names_role(template: str, role: str) -> bool:
     """Whether one jinja statement of ``template`` mentions ``role`` and compares it as a
     string: ``message.role == "developer"``, ``message['role'] in ['system', 'developer']``."""
     return re.search(r"role\b[^%}]*['\"]" + re.escape(role) + r"['\"]", template) is not None
+
+
+def read_chat_template(path: str) -> str:
+    """The text of a Jinja chat template file (``--chat-template``), parsed once so that a
+    syntax error stops serve at start; ValueError naming the flag otherwise. Some models ship
+    a template that does not take OpenAI-style messages (DeepSeek-V3's joins an earlier
+    call's arguments as a string; radixray, like vLLM, gives templates a dict):
+    those are served with a template of the user's choosing, as SGLang and vLLM do."""
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except (OSError, UnicodeError) as e:
+        raise ValueError(f"chat_template: cannot read {path!r} ({e})") from None
+    except TemplateSyntaxError as e:
+        raise ValueError(f"chat_template: {path!r} line {e.lineno}: {e.message}") from None
+    if not text.strip():
+        raise ValueError(f"chat_template: {path!r} is empty")
+    return text

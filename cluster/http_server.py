@@ -52,6 +52,7 @@ class ServerArgs:
     api_key: str | None = None
     max_queued_requests: int | None = None
     tool_call_parser: str | None = None  # tool_calls.PARSERS key (--tool-call-parser)
+    chat_template: str | None = None  # a Jinja chat template's text, instead of the model's
     health_check_timeout: float = HEALTH_CHECK_TIMEOUT_S
     context_len: int | None = None  # None: the engine's max_context_len
     replica: str = "0"
@@ -151,6 +152,8 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
     """A FastAPI app over ``engine``. ``tokenizer`` is a transformers tokenizer of the model."""
     info = engine.server_info()
     args = server_args
+    if args.chat_template is not None:  # --chat-template: the model's own does not fit
+        tokenizer.chat_template = args.chat_template
     registry = CollectorRegistry()  # this app's own, so several replicas in a process coexist
     metrics = EngineMetrics(registry, args.model_name, args.replica)
     ctx = ServingContext(

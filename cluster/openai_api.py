@@ -114,6 +114,9 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: which call it answers
+    # an earlier reply's thinking (DeepSeek-R1's, Qwen3's field): templates that show or
+    # strip it read it (vLLM and SGLang pass it on)
+    reasoning_content: str | None = None
     function_call: Any = None  # OpenAI's deprecated form of tool_calls: a 400, never dropped
 
 

@@ -18,6 +18,7 @@ import sys
 import time
 
 from ..router.config import POLICY_NAMES
+from .chat_prompt import read_chat_template
 from .engine_protocol import HEALTH_CHECK_TIMEOUT_S as REPLICA_HEALTH_TIMEOUT_S
 from .router_process import (ROUTER_HEALTH_MARGIN_S, ROUTER_MAX_RESTARTS,
                              ROUTER_RESTART_WINDOW_S, check_router_args, die_with_parent,
@@ -109,6 +110,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="parse tool calls in the chat API's replies, in this model family's "
                         "format (qwen25/hermes: <tool_call> blocks; llama3: JSON); None: "
                         "replies stay text")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file for /v1/chat/completions, instead of the "
+                        "tokenizer's (read here, once, and sent to every replica)")
     p.add_argument("--health-check-timeout", type=float, default=REPLICA_HEALTH_TIMEOUT_S,
                    help="seconds a replica's /health may wait for its one-token generation "
                         "(past it, a replica that made progress meanwhile is busy, so "
@@ -236,6 +240,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if not 0 <= args.placement_timeout < math.inf:
             raise ValueError("placement_timeout: must be a number of seconds >= 0 (0: no limit)")
         check_router_args(args)
+        chat_template = read_chat_template(args.chat_template) if args.chat_template else None
         if args.ray_dashboard_port is not None and args.ray_address is not None:
             raise ValueError("ray_dashboard_port: only for the local Ray serve starts; the "
                              "cluster at --ray-address has its own dashboard")
@@ -243,7 +248,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"radixray serve: error: {e}", file=sys.stderr)
         return 2
     http_args = {"served_model_name": args.served_model_name, "api_key": args.api_key,
-                 "tool_call_parser": args.tool_call_parser,
+                 "tool_call_parser": args.tool_call_parser, "chat_template": chat_template,
                  "max_queued_requests": args.max_queued_requests,
                  "health_check_timeout": args.health_check_timeout}
     base_port = args.replica_base_port or args.port + 1

@@ -250,6 +250,8 @@ def template_message(m, content: str) -> dict:
         message["tool_call_id"] = m.tool_call_id
     if m.name is not None:
         message["name"] = m.name
+    if getattr(m, "reasoning_content", None) is not None:
+        message["reasoning_content"] = m.reasoning_content
     return message
 
 

@@ -172,3 +172,47 @@ def test_a_tokenizer_without_a_chat_template_says_so(templated):
     """The 400 said the template "rejected" the messages: there was no template at all."""
     err = rejected(lambda: chat_prompt_ids(request(), templated(None)))
     assert err.param == "messages" and "has no chat template" in err.message
+
+
+def test_an_earlier_replys_reasoning_content_reaches_the_template(templated):
+    """It was dropped as an unknown field: Qwen3 / DeepSeek-R1 style templates, which show or
+    strip an earlier reply's thinking, rendered a different prompt than transformers."""
+    tok = templated("{% for m in messages %}{% if m.reasoning_content %}<think>"
+                    "{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}|{% endfor %}")
+    body = request([USER, {"role": "assistant", "content": "ok", "reasoning_content": "hm"},
+                    USER])
+    assert prompt(tok, body) == "write code|<think>hm</think>ok|write code|"
+    bad = request([USER, {"role": "assistant", "content": "ok", "reasoning_content": "\ud800"}])
+    assert rejected(lambda: chat_prompt_ids(bad, tok)).param == "messages[1].reasoning_content"
+
+
+def test_serve_reads_a_chat_template_file_and_the_replica_uses_it(tmp_path, tiny_llama_path):
+    """Models whose shipped template does not take OpenAI-style messages (DeepSeek-V3's joins
+    an earlier call's arguments as a string) had no way out: SGLang and vLLM take
+    --chat-template; so does serve now, checked at start and sent to the replicas."""
+    import httpx
+    from http_helpers import MODEL_NAME, ServerThread, make_engine
+
+    from radixray.cluster.chat_prompt import read_chat_template
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                    "{% if add_generation_prompt %}[assistant] {% endif %}")
+    template = read_chat_template(str(path))
+    for text, problem in (("{% for m in messages %}", "line 1: Unexpected end of template"),
+                          ("  ", "is empty")):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=f"^chat_template: .*{problem}"):
+            read_chat_template(str(path))
+    with pytest.raises(ValueError, match="^chat_template: cannot read"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    engine = make_engine(tiny_llama_path)
+    try:
+        with ServerThread(engine, tiny_llama_path, chat_template=template) as url:
+            r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+                "model": MODEL_NAME, "messages": [USER], "max_tokens": 1})
+            tok = AutoTokenizer.from_pretrained(tiny_llama_path)
+            expected = tok.encode("[user] write code\n[assistant] ", add_special_tokens=False)
+            assert r.json()["usage"]["prompt_tokens"] == len(expected), r.text
+    finally:
+        engine.shutdown()

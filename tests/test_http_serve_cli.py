@@ -57,6 +57,9 @@ def test_bad_flag_value_names_it(tiny_llama_path):
     r = _serve(["--model", tiny_llama_path, "--max-queued-requests", "0", "--port",
                 str(free_port())])
     assert r.returncode == 2 and "max_queued_requests: must be >= 1" in r.stderr
+    r = _serve(["--model", tiny_llama_path, "--chat-template", "/no/such.jinja", "--port",
+                str(free_port())])
+    assert r.returncode == 2 and "chat_template: cannot read '/no/such.jinja'" in r.stderr
 
 
 def test_serve_without_model_uses_the_default_model(tiny_llama_path, tmp_path):
