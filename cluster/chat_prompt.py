@@ -108,7 +108,12 @@ def render_continuing(tokenizer, messages: list[dict], tools, kwargs: dict) -> s
     here rather than with transformers' own ``continue_final_message``, whose cut differs
     between versions (older ones search for the content's text, which fails for "")."""
     marker = f"<radixray-continue-{uuid.uuid4().hex}>"
-    final = {**messages[-1], "content": messages[-1]["content"] + marker}
+    # The marker goes before the content's trailing whitespace: a template that trims the
+    # content (Llama 3's, Gemma's) then drops that whitespace as transformers' cut does
+    content = messages[-1]["content"]
+    kept = content.rstrip()
+    tail = content[len(kept):]
+    final = {**messages[-1], "content": kept + marker + tail}
     text = tokenizer.apply_chat_template([*messages[:-1], final], tools=tools, tokenize=False,
                                          add_generation_prompt=False, **kwargs)
     at = text.rfind(marker)
@@ -116,7 +121,7 @@ def render_continuing(tokenizer, messages: list[dict], tools, kwargs: dict) -> s
         raise bad_request("continue_final_message: the chat template does not write the final "
                           "message's content, so it cannot be continued",
                           param="continue_final_message")
-    return text[:at]
+    return text[:at] + (tail if text.startswith(tail, at + len(marker)) else "")
 
 
 def template_kwargs(kwargs: dict | None, tokenizer) -> dict:

@@ -92,7 +92,10 @@ class Engine:
         ``enable_hierarchical_cache``, ... with SGLang's names; see scheduler/config.py) and
         of ``RUNNER_ARGS`` (``dtype``, ``device``, ``attention_backend``, ``context_length``,
         ``mem_fraction_static``, ``load_format``, ``tokenizer_path``). An unknown or invalid
-        one raises ValueError naming it.
+        one raises ValueError naming it. ``sglang.Engine``'s ``tp_size`` and ``dp_size`` are
+        taken when 1 (this engine runs one rank in this process: ``radixray serve`` runs
+        more), ``log_level`` sets radixray's logging, and ``trust_remote_code`` is accepted
+        and unused (radixray runs its own model code, never a checkpoint's).
         """
         from transformers import AutoTokenizer
 
@@ -100,6 +103,18 @@ class Engine:
 
         import torch
 
+        server_args = dict(server_args)
+        for name in ("tp_size", "dp_size"):  # sglang.Engine's; ported code passes them
+            if server_args.pop(name, 1) != 1:
+                raise ValueError(f"{name}: the in-process Engine runs one rank; use `radixray "
+                                 "serve --tp-size N --replicas M` for more")
+        server_args.pop("trust_remote_code", None)
+        log_level = server_args.pop("log_level", None)
+        if log_level is not None:
+            try:
+                logging.getLogger("radixray").setLevel(str(log_level).upper())
+            except ValueError as e:
+                raise ValueError(f"log_level: {e}") from None
         sched_args, runner_args = split_server_args(server_args)
         if runner_args["device"] == "auto":  # resolved here, so server_info shows the choice
             runner_args["device"] = "cuda" if torch.cuda.is_available() else "cpu"
@@ -170,12 +185,15 @@ class Engine:
         count = len(ids)
         raw_params = per_request(sampling_params, count, "sampling_params", dict)
         params = [SamplingParams.from_dict(p) for p in raw_params]
-        per = {name: per_request(value, count, name)
-               for name, value in (("return_logprob", return_logprob),
-                                   ("logprob_start_len", logprob_start_len),
-                                   ("top_logprobs_num", top_logprobs_num), ("rid", rid),
-                                   ("priority", priority), ("routing_key", routing_key),
-                                   ("extra_key", extra_key))}
+        if not isinstance(return_text_in_logprobs, bool):  # "no" read as true
+            raise ValueError("return_text_in_logprobs: must be true or false")
+        per = {name: per_request(value, count, name, kind)
+               for name, value, kind in (("return_logprob", return_logprob, bool),
+                                         ("logprob_start_len", logprob_start_len, int),
+                                         ("top_logprobs_num", top_logprobs_num, int),
+                                         ("rid", rid, str), ("priority", priority, int),
+                                         ("routing_key", routing_key, str),
+                                         ("extra_key", extra_key, str))}
         reqs, warmups = [], {}  # warmups: copy rid -> its prompt's warm-up (n > 1)
         for i in range(count):
             params[i].verify(self.runner.model_config.vocab_size)
@@ -232,6 +250,8 @@ class Engine:
         if (prompt is None) == (input_ids is None):
             raise ValueError("prompt: give exactly one of prompt and input_ids")
         if prompt is not None:
+            if not isinstance(prompt, (str, list, tuple)):  # list(5): a TypeError
+                raise ValueError("prompt: must be a string or a non-empty list of strings")
             single = isinstance(prompt, str)
             texts = [prompt] if single else list(prompt)
             if not texts or not all(isinstance(t, str) for t in texts):

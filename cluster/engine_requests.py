@@ -42,6 +42,9 @@ def plain_entry(logprob, token_id) -> list:
     return [logprob, token_id, None]
 
 
+_KIND_NAMES = {bool: "true or false", int: "an integer", str: "a string", dict: "a dict"}
+
+
 def per_request(value, count: int, name: str, item_type: type | None = None) -> list:
     """One value for all requests, or a list with one per request. With ``item_type`` (the
     value's own type is a list for no argument but sampling_params' dicts) anything else is a
@@ -52,8 +55,8 @@ def per_request(value, count: int, name: str, item_type: type | None = None) -> 
             raise ValueError(f"{name}: got {len(value)} values for {count} prompts")
         return value
     if item_type is not None and value is not None and not isinstance(value, item_type):
-        kind = item_type.__name__
-        raise ValueError(f"{name}: must be a {kind} or a list of one {kind} per prompt")
+        kind = _KIND_NAMES.get(item_type, item_type.__name__)
+        raise ValueError(f"{name}: must be {kind} or a list with one per prompt")
     return [value] * count
 
 

@@ -59,6 +59,21 @@ def test_continuing_cuts_the_prompt_right_after_the_final_message(tok, content):
     assert prompt(tok, same) == expected + content
 
 
+def test_continuing_under_a_trimming_template_cuts_where_transformers_does(templated):
+    """Llama 3's and Gemma's templates trim a message's content: the continued prompt kept
+    the trailing space transformers' own continue_final_message drops ("The answer is ")."""
+    trimming = ("{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</s>{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    keeping = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}"
+    messages = [USER, {"role": "assistant", "content": "The answer is "}]
+    for template in (trimming, keeping):
+        tok = templated(template)
+        ours = prompt(tok, request(messages, continue_final_message=True))
+        theirs = tok.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+        assert ours == theirs, (template, ours, theirs)
+    assert ours.endswith("is ")  # kept where the template keeps it
+
+
 def test_add_generation_prompt_false_leaves_the_assistant_turn_unopened(tok):
     assert prompt(tok, request(add_generation_prompt=False)) == \
         tok.apply_chat_template([USER], tokenize=False)

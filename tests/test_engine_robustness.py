@@ -101,6 +101,10 @@ def test_a_max_new_tokens_past_the_context_does_not_serialise_the_batch():
     ({"device": "tpu"}, "device: 'tpu'; use cpu, cuda"),
     ({"tokenizer_path": "/no/such/tokenizer"}, "tokenizer_path: '/no/such/tokenizer' is not a "
                                                "folder"),
+    # sglang.Engine's names: taken when they mean this one process, named when they do not
+    ({"tp_size": 2}, "tp_size: the in-process Engine runs one rank"),
+    ({"dp_size": 4}, "dp_size: the in-process Engine runs one rank"),
+    ({"log_level": "loud"}, "log_level: Unknown level"),
 ])
 def test_runner_arguments_are_checked_by_name(tiny_llama_path, args, message):
     """They were a torch RuntimeError or TypeError naming nothing, or silently accepted."""
@@ -122,6 +126,10 @@ def test_runner_arguments_are_checked_by_name(tiny_llama_path, args, message):
     ({"prompt": "import os\n" * 450}, "prompt: the prompt has .* the KV cache holds 1024"),
     ({"prompt": "import os\n" * 600, "sampling_params": {"max_new_tokens": 4}},
      "prompt: the prompt has"),  # it blamed max_new_tokens
+    ({"prompt": 5}, "prompt: must be a string"),  # a TypeError from list(5)
+    ({"prompt": "a", "return_logprob": "no"}, "return_logprob: must be true or false"),
+    ({"prompt": "a", "return_text_in_logprobs": 1}, "return_text_in_logprobs: must be true"),
+    ({"prompt": ["a", "b"], "rid": ["x", 3]}, "rid: must be a string"),
 ])
 def test_malformed_generate_arguments_are_value_errors_naming_them(engine, kwargs, message):
     with pytest.raises(ValueError, match=f"^{message}"):
@@ -141,6 +149,14 @@ def test_sglangs_calling_convention_and_none_defaults(engine):
     assert "output_top_logprobs" not in out["meta_info"]
     assert "Engine" in dir(__import__("radixray"))
     assert_clean(engine)
+
+
+def test_sglang_engine_arguments_for_one_process_are_taken(tiny_llama_path):
+    """Code ported from sglang.Engine(model_path=..., tp_size=1, ...) failed at once with
+    "unknown server argument"."""
+    with Engine(model_path=tiny_llama_path, tp_size=1, dp_size=1, trust_remote_code=True,
+                log_level="warning", max_total_tokens=256) as e:
+        assert e.generate("a", GREEDY)["meta_info"]["completion_tokens"] > 0
 
 
 def test_a_missing_model_folder_fails_at_once():
