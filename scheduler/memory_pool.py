@@ -20,6 +20,9 @@ from __future__ import annotations
 import torch
 
 
+RELEASED_CHUNKS = 64  # freed-page tensors kept apart before they are joined into one
+
+
 class ReqToTokenPool:
     """Rows of the request-to-slot table. ``alloc``/``free`` mutate the free-row list only."""
 
@@ -67,15 +70,21 @@ class TokenToKVPoolAllocator:
     def clear(self) -> None:
         # Page 0 (slot 0 when page_size == 1) is the padding target; pages 1..num_pages are free.
         self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64)
+        # Freed pages wait here until the free pages run out (one concatenation then, not
+        # one per free). Counted as they come: summing the list on every available_size
+        # (several per admitted request) slowed a long-running scheduler down round after
+        # round (3.6 s -> 15.8 s per 500 requests) until it was merged, tens of thousands of
+        # requests later.
         self._released: list[torch.Tensor] = []
+        self._num_released = 0
 
     def _merge_released(self) -> None:
         if self._released:
             self._free_pages = torch.cat([self._free_pages, *self._released])
-            self._released = []
+            self._released, self._num_released = [], 0
 
     def available_size(self) -> int:
-        return (len(self._free_pages) + sum(len(r) for r in self._released)) * self.page_size
+        return (len(self._free_pages) + self._num_released) * self.page_size
 
     def _take_pages(self, n: int) -> torch.Tensor | None:
         if n > len(self._free_pages):
@@ -135,6 +144,9 @@ class TokenToKVPoolAllocator:
         pages = slots if self.page_size == 1 else torch.unique(slots // self.page_size)
         assert int(pages.min()) > 0, "slot 0 (padding) must never be freed"
         self._released.append(pages)
+        self._num_released += len(pages)
+        if len(self._released) >= RELEASED_CHUNKS:  # a bounded list of few, larger tensors
+            self._released = [torch.cat(self._released)]
 
 
 class SimulatedAllocator:

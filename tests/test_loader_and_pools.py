@@ -71,6 +71,28 @@ def test_allocator_never_hands_out_slot_zero_or_twice():
         alloc.free(torch.tensor([0]))
 
 
+@pytest.mark.parametrize("page", [1, 4])
+def test_freed_slots_are_counted_as_they_come_and_kept_in_few_tensors(page):
+    """available_size summed one tensor per free since the free pages last ran out: on a
+    large pool that is tens of thousands of requests, and the scheduler, which asks it several
+    times per admitted request, got slower round after round (3.6 s -> 15.8 s per 500)."""
+    from radixray.scheduler.memory_pool import RELEASED_CHUNKS
+
+    alloc = TokenToKVPoolAllocator(40_000, page_size=page)
+    count = 40_000 // (4 * page)  # every slot held, 4 pages at a time
+    held = [alloc.alloc(4 * page) for _ in range(count)]
+    assert alloc.available_size() == 0
+    for i, slots in enumerate(held):
+        alloc.free(slots)
+        assert len(alloc._released) < RELEASED_CHUNKS
+        if i % 997 == 0:
+            assert alloc.available_size() == 4 * page * (i + 1)
+    # every slot comes back exactly once, in the order freed
+    again = alloc.alloc(alloc.available_size())
+    assert len(set(again.tolist())) == 40_000 and alloc.available_size() == 0
+    assert again[-4 * page:].tolist() == held[-1].tolist()
+
+
 def test_paged_allocator_fills_last_page_first():
     alloc = TokenToKVPoolAllocator(64, page_size=4)
     slots = alloc.alloc(8)
