@@ -27,7 +27,7 @@ from ..scheduler.scheduler import Scheduler
 from ..scheduler.stop import (StopRegexTooSlow, decode_after, decode_context, trim_stop_text,
                               visible_output_ids)
 from ..worker.sampling_params import SamplingParams, surrogate_at
-from .engine_requests import Collected, logprob_start, per_request, plain_entry
+from .engine_requests import Collected, copy_seed, logprob_start, per_request, plain_entry
 from .request_checks import context_overflow
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,11 @@ def _check_runner_args(runner: dict) -> None:
     device = runner["device"]
     if not isinstance(device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
         raise ValueError(f"device: {device!r}; use cpu, cuda, cuda:N or auto")
+
+
+def tokenizer_eos(tokenizer) -> tuple[int, ...]:
+    """The tokenizer's EOS id, if it has one: it ends a request as the model config's do."""
+    return () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
 
 
 class Engine:
@@ -144,7 +149,8 @@ class Engine:
             attention_backend=runner_args["attention_backend"],
             load_format=runner_args["load_format"], seed=self.config.random_seed,
             enable_hierarchical_cache=self.config.enable_hierarchical_cache,
-            hicache_ratio=self.config.hicache_ratio, hicache_size=self.config.hicache_size))
+            hicache_ratio=self.config.hicache_ratio, hicache_size=self.config.hicache_size,
+            eos_token_ids=tokenizer_eos(self.tokenizer)))
         # One generate at a time (two threads stepping one scheduler corrupt it), held from its
         # checks on; shutdown and flush_cache wait for it.
         self._lock = threading.Lock()
@@ -156,10 +162,7 @@ class Engine:
 
     def _new_scheduler(self) -> Scheduler:
         mc = self.runner.model_config
-        eos = set(mc.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        return Scheduler(self.config, self.runner, eos_token_ids=eos,
+        return Scheduler(self.config, self.runner, eos_token_ids=self.runner.eos_token_ids,
                          decode=self.tokenizer.decode, vocab_size=mc.vocab_size,
                          tokenizer=self.tokenizer)
 
@@ -214,8 +217,7 @@ class Engine:
             for k in range(sp.n):
                 # copy k samples with seed + k, as the HTTP API's copies do: one seed for all
                 # would make the n samples identical
-                copy = sp if sp.n == 1 else replace(
-                    sp, n=1, seed=None if sp.seed is None else sp.seed + k)
+                copy = sp if sp.n == 1 else replace(sp, n=1, seed=copy_seed(sp.seed, k))
                 reqs.append(Req(
                     base if sp.n == 1 else f"{base}-{k}", ids[i], copy,
                     return_logprob=per["return_logprob"][i],

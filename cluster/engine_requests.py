@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..scheduler.request import RequestOutput
+from ..scheduler.request import MAX_SEED, RequestOutput
 
 
 @dataclass
@@ -70,3 +70,11 @@ def logprob_start(return_logprob: bool, start: int, prompt_len: int) -> int:
     if not 0 <= start < prompt_len:
         raise ValueError(f"logprob_start_len: must be -1 or in [0, {prompt_len}), got {start}")
     return start
+
+
+def copy_seed(seed: int | None, i: int) -> int | None:
+    """Copy ``i``'s seed: ``seed + i``, wrapped past the largest (the sampler takes seeds
+    modulo 2**64); None stays None."""
+    if seed is None:
+        return None
+    return seed + i if seed + i <= MAX_SEED else seed + i - (1 << 64)

@@ -11,8 +11,8 @@ from contextlib import aclosing
 from dataclasses import replace
 from typing import AsyncIterator
 
-from ..scheduler.request import MAX_SEED
 from .engine_protocol import GenerateRequest
+from .engine_requests import copy_seed
 from .api_errors import bad_request, unavailable
 from .generation import RequestState, ServingContext, Warmup, new_rid, run_many
 
@@ -90,11 +90,6 @@ def expand_copies(req: GenerateRequest, n: int) -> list[GenerateRequest]:
     if n == 1:
         return [req]
     sp = req.sampling_params
-
-    def seed(i: int) -> int | None:
-        if sp.seed is None:
-            return None
-        return sp.seed + i if sp.seed + i <= MAX_SEED else sp.seed + i - (1 << 64)
-
-    return [replace(req, rid=f"{req.rid}-{i}", sampling_params=replace(sp, n=1, seed=seed(i)))
+    return [replace(req, rid=f"{req.rid}-{i}",
+                    sampling_params=replace(sp, n=1, seed=copy_seed(sp.seed, i)))
             for i in range(n)]

@@ -35,7 +35,7 @@ from ..scheduler.config import SchedulerConfig
 from ..scheduler.scheduler import Scheduler
 from ..worker.model_runner import RunnerConfig
 from .async_engine import InProcessEngine
-from .engine import split_server_args
+from .engine import split_server_args, tokenizer_eos
 from .engine_slot import RestartGate, SwappableEngine
 from .heap import freeze_startup_heap
 from .tp_worker import free_port
@@ -129,8 +129,10 @@ class RestartLedger:
         return {"engine_restarts_total": self.engine, "head_restarts_total": self.head}
 
 
-def runner_config(model_path: str, config: SchedulerConfig, runner_args: dict) -> RunnerConfig:
-    """The model runner's configuration from the server arguments (SGLang names)."""
+def runner_config(model_path: str, config: SchedulerConfig, runner_args: dict,
+                  eos_token_ids: tuple[int, ...] = ()) -> RunnerConfig:
+    """The model runner's configuration from the server arguments (SGLang names) and the
+    tokenizer's EOS ids."""
     return RunnerConfig(
         model_path, dtype=runner_args["dtype"], device=runner_args["device"],
         max_total_tokens=config.max_total_tokens,
@@ -140,7 +142,8 @@ def runner_config(model_path: str, config: SchedulerConfig, runner_args: dict) -
         attention_backend=runner_args["attention_backend"],
         load_format=runner_args["load_format"], seed=config.random_seed,
         enable_hierarchical_cache=config.enable_hierarchical_cache,
-        hicache_ratio=config.hicache_ratio, hicache_size=config.hicache_size)
+        hicache_ratio=config.hicache_ratio, hicache_size=config.hicache_size,
+        eos_token_ids=eos_token_ids)
 
 
 class ReplicaServer:
@@ -164,10 +167,11 @@ class ReplicaServer:
         sched_args, runner_args = split_server_args(server_args)
         runner_args["device"] = resolve_device(runner_args["device"])  # what /get_server_info shows
         self.config = SchedulerConfig(**sched_args)
-        self.runner_cfg = runner_config(model_path, self.config, runner_args)
+        self.tokenizer = AutoTokenizer.from_pretrained(runner_args["tokenizer_path"] or model_path)
+        self.runner_cfg = runner_config(model_path, self.config, runner_args,
+                                        tokenizer_eos(self.tokenizer))
         self.replica_id, self.tp_size, self.step_timeout_s = replica_id, tp_size, step_timeout_s
         self.reserved_pg = reserved_pg  # the ranks' bundles, kept across restarts; None: per group
-        self.tokenizer = AutoTokenizer.from_pretrained(runner_args["tokenizer_path"] or model_path)
         self.server_args = {**server_args, "device": runner_args["device"], "tp_size": tp_size}
         self.group: WorkerGroup | None = None
         self.engine = SwappableEngine()
@@ -228,10 +232,7 @@ class ReplicaServer:
         group = WorkerGroup(self.runner_cfg, self.tp_size, step_timeout_s=self.step_timeout_s,
                             name=self.pg_prefix + uuid.uuid4().hex[:8],
                             reserved_pg=self.reserved_pg)
-        eos = set(group.info["eos_token_ids"])
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        scheduler = Scheduler(self.config, group, eos_token_ids=eos,
+        scheduler = Scheduler(self.config, group, eos_token_ids=group.info["eos_token_ids"],
                               decode=self.tokenizer.decode, vocab_size=group.info["vocab_size"],
                               tokenizer=self.tokenizer)
         info = {**self.server_args, "model_path": self.runner_cfg.model_path,

@@ -130,7 +130,7 @@ class TPWorker:
                 "max_running_requests": self.runner.max_running_requests,
                 "max_context_len": self.runner.max_context_len,
                 "host_pool_tokens": self.runner.host_pool_tokens,
-                "vocab_size": mc.vocab_size, "eos_token_ids": list(mc.eos_token_ids)}
+                "vocab_size": mc.vocab_size, "eos_token_ids": list(self.runner.eos_token_ids)}
 
     def forward(self, batch: ForwardBatch, seq: int) -> ForwardOutput:
         """Rank 0 only: share batch number ``seq`` with the peers, then run it.

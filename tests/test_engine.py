@@ -305,6 +305,40 @@ def test_n_copies_are_seeded_apart_like_the_http_api(tiny_llama_path):
         assert_clean(engine)
 
 
+def test_the_largest_seed_with_n_copies_wraps_as_over_http(tiny_llama_path):
+    """Copy k took seed + k unwrapped: seed 2**64 - 1 with n = 2 was refused as out of range,
+    a seed the caller sent correctly (the HTTP API wraps it)."""
+    params = {"max_new_tokens": 3, "temperature": 1.0, "n": 2, "seed": (1 << 64) - 1}
+    with Engine(tiny_llama_path, max_total_tokens=2048) as engine:
+        outs = engine.generate(input_ids=[1, 2, 3], sampling_params=params)
+        wrapped = engine.generate(input_ids=[1, 2, 3], sampling_params={**params, "n": 1,
+                                                                        "seed": 0})
+        assert outs[1]["output_ids"] == wrapped["output_ids"]  # copy 1: 2**64 wraps to 0
+
+
+def test_min_new_tokens_holds_back_the_tokenizers_eos_too(tiny_llama_path, tmp_path):
+    """The scheduler stops on the config's EOS ids and the tokenizer's; the sampler held back
+    only the config's below min_new_tokens, so a model whose tokenizer names another EOS
+    ended a request at once with it ([1, 1, 1, 1, 1], min_new_tokens 5)."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    path = tmp_path / "other-eos"
+    shutil.copytree(tiny_llama_path, path)
+    eos = AutoTokenizer.from_pretrained(path).eos_token_id
+    config = json.loads((path / "config.json").read_text())
+    config["eos_token_id"] = 4 if eos != 4 else 5  # not the tokenizer's
+    (path / "config.json").write_text(json.dumps(config))
+    params = {"max_new_tokens": 12, "min_new_tokens": 5, "temperature": 0,
+              "logit_bias": {str(eos): 100.0}}
+    with Engine(str(path), max_total_tokens=1024) as engine:
+        out = engine.generate(input_ids=[7, 8, 9], sampling_params=params)
+    assert eos not in out["output_ids"][:5] and out["output_ids"][5] == eos, out["output_ids"]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
+
+
 def test_generate_after_shutdown_says_so(tiny_llama_path):
     engine = Engine(tiny_llama_path, max_total_tokens=512)
     engine.shutdown()

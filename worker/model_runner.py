@@ -54,6 +54,8 @@ class RunnerConfig:
     hicache_ratio: float = 2.0
     hicache_size: float = 0.0
     ranks_on_host: int = 1  # ranks of this replica on this host, sharing its host memory
+    # EOS ids besides the model config's (the tokenizer's): min_new_tokens blocks them all
+    eos_token_ids: tuple[int, ...] = ()
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -108,7 +110,10 @@ class ModelRunner:
                                                         mc.head_dim, dtype)
         self.attn = create_attention_backend(self.attention_backend, device=self.device,
                                              model_config=mc)
-        self.sampler = Sampler(mc.eos_token_ids, seed=cfg.seed)
+        # the ids that end a request: the scheduler stops on these, the sampler holds them
+        # back below min_new_tokens (with only the config's, a tokenizer EOS got through)
+        self.eos_token_ids = tuple(sorted({*mc.eos_token_ids, *cfg.eos_token_ids}))
+        self.sampler = Sampler(self.eos_token_ids, seed=cfg.seed)
         # Overlap scheduling's output buffer: the last token sampled for each table row. A
         # decode input of -r means "the token this worker sampled for row r last step". -1
         # marks a row with nothing written yet; reading it is a scheduler bug and raises
