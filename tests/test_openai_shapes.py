@@ -158,4 +158,5 @@ def test_field_names_follow_what_the_request_wrote():
         "response_format": {"type": "json_object"}})
     assert client_field_names(chat) == {"max_new_tokens": "max_completion_tokens",
                                         "min_new_tokens": "min_tokens",
-                                        "json_schema": "response_format"}
+                                        "json_schema": "response_format",
+                                        "structural_tag": "response_format"}
