@@ -48,9 +48,15 @@ HOP_HEADERS = frozenset({
 })
 
 
-def upstream_headers(headers) -> dict[str, str]:
-    out = {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
-    out["accept-encoding"] = "identity"
+def upstream_headers(headers) -> list[tuple[bytes, bytes]]:
+    """The client's headers for the worker, as the raw bytes they came in: a value with a
+    byte past ASCII (``User-Agent: café``, valid HTTP) made httpx raise on the decoded text,
+    and every proxied route answered 500."""
+    raw = getattr(headers, "raw", None)
+    pairs = raw if raw is not None else [(k.encode("latin-1"), v.encode("latin-1"))
+                                         for k, v in headers.items()]
+    out = [(k, v) for k, v in pairs if k.decode("latin-1").lower() not in HOP_HEADERS]
+    out.append((b"accept-encoding", b"identity"))
     return out
 
 

@@ -84,6 +84,11 @@ BAD_INPUTS = [
     ("/generate", {"text": "a", "sampling_params": {"bogus": 1}}, 400,
      "sampling_params.bogus: unknown sampling parameter"),
     ("/generate", {"text": "a", "sampling_params": {"ignore_eos": "yes"}}, 400, "ignore_eos"),
+    # both were 500s: the key went into a message JSON could not encode, the int overflowed
+    ("/generate", b'{"text": "a", "sampling_params": {"\\ud800": 1}}', 400,
+     "sampling_params.'\\ud800': unknown sampling parameter"),
+    ("/generate", b'{"text": "a", "sampling_params": {"logit_bias": {"1": 1' + b"0" * 400 + b'}}}',
+     400, "logit_bias: must map token ids to numbers"),
     ("/generate", {"text": "a", "stream": "yes"}, 400, "stream"),
     ("/generate", {"text": "abc", "return_logprob": True, "logprob_start_len": 50}, 400,
      "logprob_start_len"),

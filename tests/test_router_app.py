@@ -154,6 +154,19 @@ def test_no_worker_gives_503_with_a_clear_message(make_cluster):
     assert client.get("/health").status_code == 503
 
 
+def test_a_header_value_past_ascii_is_passed_on(make_cluster):
+    """`User-Agent: café` (valid HTTP: a latin-1 byte) made httpx raise on the decoded text:
+    every proxied route answered a plain-text 500."""
+    client, router, fakes, urls = make_cluster(1)
+    agent = {"user-agent": "café/1.0".encode("latin-1")}
+    r = client.post("/generate", json={"text": "x"}, headers=agent)
+    assert r.status_code == 200, r.text
+    with client.stream("POST", "/v1/completions", headers=agent, json={
+            "model": "m", "prompt": "x", "stream": True}) as s:
+        assert s.status_code == 200 and s.read().endswith(b"data: [DONE]\n\n")
+    assert client.post("/flush_cache", headers=agent).status_code == 200
+
+
 def test_429_beyond_max_concurrency_and_queue(make_cluster):
     client, router, fakes, urls = make_cluster(1, worker_kw={"delay": 0.3},
                                                max_concurrent_requests=2, queue_size=1,

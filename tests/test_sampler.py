@@ -133,6 +133,15 @@ def test_top_p_counts_mass_outside_the_ranked_candidates():
     assert torch.equal(torch.isfinite(out), reference_distribution(x, top_p=0.9) > 0)
 
 
+def test_a_top_p_below_float32s_range_keeps_the_top_token():
+    """top_p 1e-50 is in (0, 1] but rounds to 0 in float32, where it masked every token and
+    each output became id 0."""
+    x = torch.tensor([0.1, 2.0, 0.3, 1.9])
+    for top_p in (1e-50, 1e-40, 1e-3):
+        assert draw(x, SamplingParams(top_p=top_p), n=200).argmax() == 1
+        assert draw(x, SamplingParams(top_p=top_p), n=200)[1] == 200
+
+
 def test_temperature_sharpens():
     hot = draw(LOGITS, SamplingParams(temperature=2.0), n=6000)
     cold = draw(LOGITS, SamplingParams(temperature=0.25), n=6000)

@@ -174,8 +174,11 @@ def _top_k_top_p(x: torch.Tensor, use_k: list[bool], k: list[int], use_p: list[b
         p_ranked = p_ranked / torch.where(to_device(use_k, device), p_ranked.sum(dim=-1),
                                           1.0).unsqueeze(1)
         mass_before = p_ranked.cumsum(dim=-1) - p_ranked
-        p = to_device([t if use else math.inf for t, use in zip(top_p, use_p)], device,
-                      p_ranked.dtype)
+        # a top_p below float32's smallest normal (1e-50) would round to 0 there and mask the
+        # top token too (every token became id 0): any such top_p keeps the top token alone
+        tiny = torch.finfo(p_ranked.dtype).tiny
+        p = to_device([max(t, tiny) if use else math.inf for t, use in zip(top_p, use_p)],
+                      device, p_ranked.dtype)
         ranked = ranked.masked_fill(mass_before >= p.unsqueeze(1), _NEG_INF)  # top token stays
     filtered = torch.full_like(x, _NEG_INF).scatter_(1, order, ranked)
     # Rows without top-k or top-p were ranked only to share the batch's tensors: keep them whole.

@@ -62,7 +62,8 @@ class SamplingParams:
         unknown = sorted(set(d) - known)
         if unknown:
             why = UNSUPPORTED.get(unknown[0], "unknown sampling parameter")
-            raise ValueError(f"{unknown[0]}: {why}")
+            name = unknown[0] if surrogate_at(unknown[0]) is None else ascii(unknown[0])
+            raise ValueError(f"{name}: {why}")  # (a lone surrogate cannot go out as JSON)
         kwargs = {k: v for k, v in d.items() if v is not None and v != [] and v != ""}
         for key in ("stop", "stop_regex"):
             if isinstance(kwargs.get(key), str):
@@ -76,7 +77,7 @@ class SamplingParams:
         if kwargs.get("logit_bias"):
             try:
                 kwargs["logit_bias"] = {int(k): float(v) for k, v in kwargs["logit_bias"].items()}
-            except (TypeError, ValueError, AttributeError):
+            except (TypeError, ValueError, AttributeError, OverflowError):  # 1e400 as an int
                 raise ValueError("logit_bias: must map token ids to numbers") from None
         return cls(**kwargs)
 
