@@ -33,7 +33,8 @@ from .health import HealthChecker
 from .helper import HelperDied
 from .metrics import EXPOSITION_CONTENT_TYPE, RouterMetrics
 from .policies import make_policy
-from .proxy import Proxy, downstream_headers, error_response, upstream_headers
+from .headers import downstream_headers, upstream_headers
+from .proxy import Proxy, error_response
 from .disconnect import until_disconnect
 from .request import BadRequest, read_request
 from .tree import ApproxRadixTree

@@ -33,36 +33,13 @@ from .metrics import RouterMetrics
 from .policies import Policy, RequestInfo, least_loaded
 from .request import (SSETail, answer_events, answer_facts, answer_route_texts, stream_end,
                       stream_texts)
-from .retry import BREAKER_STATUS, RETRYABLE_STATUS, backoff_delay, is_restarting
+from .headers import downstream_headers, upstream_headers
+from .retry import (BREAKER_STATUS, RETRYABLE_STATUS, SUSPECT_STATUS, backoff_delay,
+                    is_restarting)
 from .tree import ApproxRadixTree
 from .workers import Worker, WorkerRegistry
 
 log = logging.getLogger("radixray.router")
-
-# Not forwarded in either direction: connection-level headers, and headers the HTTP stacks on
-# each side recompute. Upstream compression is refused so bytes pass through as they are.
-HOP_HEADERS = frozenset({
-    "host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer",
-    "upgrade", "proxy-connection", "proxy-authenticate", "proxy-authorization",
-    "accept-encoding", "content-encoding", "date", "server",
-})
-
-
-def upstream_headers(headers) -> list[tuple[bytes, bytes]]:
-    """The client's headers for the worker, as the raw bytes they came in: a value with a
-    byte past ASCII (``User-Agent: café``, valid HTTP) made httpx raise on the decoded text,
-    and every proxied route answered 500."""
-    raw = getattr(headers, "raw", None)
-    pairs = raw if raw is not None else [(k.encode("latin-1"), v.encode("latin-1"))
-                                         for k, v in headers.items()]
-    out = [(k, v) for k, v in pairs if k.decode("latin-1").lower() not in HOP_HEADERS]
-    out.append((b"accept-encoding", b"identity"))
-    return out
-
-
-def downstream_headers(headers) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
-
 
 def error_response(route: str, status: int, message: str,
                    headers: dict[str, str] | None = None) -> JSONResponse:
@@ -140,6 +117,7 @@ class Proxy:
         match = self.tree.match(info.text)
         tried: set[str] = set()
         failures: list[str] = []
+        suspects: list[Worker] = []  # answered 500: blamed if another worker then answers
         last_answer: Response | None = None
         fwd = upstream_headers(headers)
         for attempt in range(self.config.max_retries + 1):
@@ -166,7 +144,11 @@ class Proxy:
             if isinstance(result, Response):
                 if result.status_code < 300:  # a refused request is no prediction to judge
                     self.metrics.record_prediction(predicted, len(info.text))
+                    for suspect in suspects:  # the request was fine: they failed it
+                        suspect.breaker.record_failure()
                 return result
+            if result.response is not None and result.response.status_code in SUSPECT_STATUS:
+                suspects.append(worker)
             self.metrics.errors.labels(worker.url, result.kind).inc()
             failures.append(f"{worker.url}: {result.message}")
             last_answer = result.response or last_answer

@@ -14,7 +14,11 @@ from .config import RESTARTING_HEADER, RouterConfig
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 # Statuses that count against a worker's circuit breaker: it failed, not the request.
 # 408 and 429 are retried but say "busy", not "broken".
-BREAKER_STATUS = frozenset({500, 502, 503, 504})
+BREAKER_STATUS = frozenset({502, 503, 504})
+# A 500 may be the request's doing (a bug it triggers answers 500 on every worker): it counts
+# against a worker only once another worker has answered the same request. Counted at once,
+# three such requests (each retried on every worker) opened every circuit: an outage for all.
+SUSPECT_STATUS = frozenset({500})
 
 
 def is_restarting(status: int, headers) -> bool:

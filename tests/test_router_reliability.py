@@ -91,6 +91,29 @@ def test_breaker_opens_then_half_opens_then_closes(servers):
     assert f"{state} 0.0" in metrics_text(client)  # closed again
 
 
+def test_a_request_every_worker_answers_500_opens_no_circuit(servers):
+    """A request that triggers a bug answers 500 on every worker. Each attempt counted against
+    its worker's breaker, so three such requests (each tried on all workers) opened every
+    circuit, and everyone got 503s (found by a fuzzer). A 500 now counts only once another
+    worker has answered the same request: then the worker, not the request, failed it."""
+    fakes, urls = start_fakes(servers, 2)
+    client, router = start_router(servers, urls, policy="round_robin", max_retries=3,
+                                  breaker_failure_threshold=3)
+    state = 'radixray_router:circuit_state{{worker="{}"}}'
+    for f in fakes:
+        f.fail_status = 500
+    for i in range(5):
+        assert client.post("/generate", json={"text": f"poison {i}"}).status_code == 500
+    assert fakes[0].requests + fakes[1].requests == 20  # each tried 4 times: 500s are retried
+    text = metrics_text(client)
+    assert all(f"{state.format(u)} 0.0" in text for u in urls)  # every circuit closed
+    fakes[1].fail_status = None  # now only w0 fails: its 500s are its own
+    for i in range(6):
+        assert client.post("/generate", json={"text": f"fine {i}"}).status_code == 200
+    assert f"{state.format(urls[0])} 1.0" in metrics_text(client)  # open
+    assert f"{state.format(urls[1])} 0.0" in metrics_text(client)
+
+
 def spawn_fake(*flags):
     proc = subprocess.Popen([sys.executable, "-m", "radixray.router.fake_worker", "--port", "0",
                              *flags], stdout=subprocess.PIPE, text=True)
