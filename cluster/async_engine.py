@@ -212,8 +212,7 @@ class InProcessEngine:
                         break
                     commands = list(self._inbox)
                     self._inbox.clear()
-                for command in commands:
-                    self._apply(command)
+                self._apply_all(commands)
                 # Step also after bare commands: aborting a waiting request queues its final
                 # output, which only step() hands out (with nothing to run it does no forward).
                 busy = s.has_work
@@ -229,6 +228,23 @@ class InProcessEngine:
         finally:
             self._fail_all("engine shut down")
 
+    def _apply_all(self, commands: list[tuple]) -> None:
+        """Apply ``commands`` in order, each run of aborts as one ``abort_many``: a client that
+        drops a batch of many prompts sends one abort per prompt."""
+        aborts: list[str] = []
+        for command in commands:
+            if command[0] == "abort":
+                rid, only = command[1], command[2] if len(command) > 2 else None
+                if only is None or self.scheduler.live.get(rid) is only:
+                    aborts.append(rid)
+                continue
+            if aborts:
+                self.scheduler.abort_many(aborts)
+                aborts = []
+            self._apply(command)
+        if aborts:
+            self.scheduler.abort_many(aborts)
+
     def _apply(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
@@ -239,10 +255,6 @@ class InProcessEngine:
                 loop.call_soon_threadsafe(queue.put_nowait, e)
                 return
             self._sinks[req.rid] = (loop, queue)
-        elif kind == "abort":
-            rid, only = command[1], command[2] if len(command) > 2 else None
-            if only is None or self.scheduler.live.get(rid) is only:
-                self.scheduler.abort(rid)
         elif kind == "call":
             _, fn, future = command
             try:

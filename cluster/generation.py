@@ -22,6 +22,7 @@ from ..scheduler.stop import StopRegexTooSlow
 from .api_errors import APIError, bad_request, unavailable
 from .detokenizer import IncrementalDetokenizer
 from .engine_protocol import EngineClient, GenerateRequest, TokenOutput
+from .request_checks import check_batch_size
 
 
 # Request bodies from this size on are validated and tokenized in a worker thread. Tokenizing
@@ -188,6 +189,7 @@ class ServingContext:
         is already live or given twice) and register them under ``client_rid``; ``prompts``:
         a batch prompt's rid -> the engine rids of its n > 1 copies."""
         rids = [r.rid for r in reqs]
+        check_batch_size(len(rids), size_field)
         limit = self.max_queued_requests
         if limit is not None and len(rids) > limit:
             raise bad_request(f"{size_field}: the request asks for {len(rids)} sequences "

@@ -26,7 +26,7 @@ from .api_errors import abort_error, as_api_error, bad_request
 from .generation import (SSE_DONE, RequestState, ServingContext, Session, error_event, new_rid,
                          sse)
 from .parallel_sampling import expand_copies, run_all
-from .request_checks import (cache_namespace, check_lengths, check_sampling_params, check_text,
+from .request_checks import (cache_namespace, check_batch_size, check_lengths, check_sampling_params, check_text,
                              check_token_ids)
 
 IntOrList = int | list[int] | None
@@ -72,6 +72,7 @@ def _prompts(body: GenerateReqInput, ctx: ServingContext) -> tuple[list[list[int
         texts = body.text if isinstance(body.text, list) else [body.text]
         if not texts:
             raise bad_request("text: the prompt is empty", param="text")
+        check_batch_size(len(texts), "text")  # before tokenizing them all
         for t in texts:
             check_text(t, "text")
         # "" is a prompt when the tokenizer gives it a BOS token (SGLang's frontend starts
@@ -83,6 +84,7 @@ def _prompts(body: GenerateReqInput, ctx: ServingContext) -> tuple[list[list[int
     ids = body.input_ids
     batch = bool(ids) and isinstance(ids[0], list)
     prompts = ids if batch else [ids]
+    check_batch_size(len(prompts), "input_ids")
     for p in prompts:
         if not p:
             raise bad_request("input_ids: the prompt is empty", param="input_ids")

@@ -22,8 +22,8 @@ from .engine_protocol import GenerateRequest
 from .api_errors import APIError, bad_request
 from .generation import ServingContext, new_rid
 from .parallel_sampling import expand_copies
-from .request_checks import (cache_namespace, check_lengths, check_sampling_params, check_text,
-                             check_token_ids)
+from .request_checks import (cache_namespace, check_batch_size, check_lengths,
+                             check_sampling_params, check_text, check_token_ids)
 from .tool_calls import NamedToolChoice, Tool, ToolPlan, plan_tools
 
 MAX_TOP_LOGPROBS = 20
@@ -260,6 +260,7 @@ def completion_requests(body: CompletionRequest, ctx: ServingContext) -> Complet
         prompts = list(p)
     if not prompts:
         raise bad_request("prompt: the prompt is empty", param="prompt")
+    check_batch_size(len(prompts), "prompt")
     _check_request(body)
     _check_max(body.max_tokens, "max_tokens")
     max_tokens = 16 if body.max_tokens is None else body.max_tokens

@@ -12,6 +12,20 @@ from ..worker.sampling_params import SamplingParams, surrogate_at
 from .api_errors import bad_request
 
 
+# Sequences (prompts x n) one request may ask for. Each waiting one costs the replica ~12 KB
+# and its abort a pass over the queue: one body of 1M two-byte prompts (8 MB) grew a replica
+# to 12.6 GB and froze it for minutes. Send larger batches as several requests.
+MAX_SEQUENCES_PER_REQUEST = 65536
+
+
+def check_batch_size(count: int, field_name: str) -> None:
+    """A 400 naming ``field_name`` for a request of more than MAX_SEQUENCES_PER_REQUEST."""
+    if count > MAX_SEQUENCES_PER_REQUEST:
+        raise bad_request(f"{field_name}: {count} sequences (prompts x n) in one request; at "
+                          f"most {MAX_SEQUENCES_PER_REQUEST}: send the batch as several "
+                          "requests", param=field_name)
+
+
 def check_sampling_params(sp: SamplingParams, vocab_size: int | None,
                           rename: dict[str, str] | None = None, where: str = "") -> None:
     """``sp.verify`` plus checks it leaves out; raises a 400 naming the client's field

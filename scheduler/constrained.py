@@ -90,14 +90,19 @@ class ConstrainedDecoding:
         kind, text = req.sampling_params.constraint
         self.queue.append((req, self.backend.submit(kind, text)))
 
-    def remove(self, req: Req) -> bool:
-        """Take ``req`` out of the grammar queue (abort); False if it is not there."""
-        for i, (queued, future) in enumerate(self.queue):
-            if queued is req:
-                del self.queue[i]
+    def remove(self, reqs: list[Req]) -> set[int]:
+        """Take ``reqs`` out of the grammar queue (abort), in one pass; the ``id``s of those
+        that were there."""
+        ids = {id(r) for r in reqs}
+        removed, kept = set(), []
+        for req, future in self.queue:
+            if id(req) in ids:
+                removed.add(id(req))
                 future.release()  # nobody else waits: a queued compilation is dropped
-                return True
-        return False
+            else:
+                kept.append((req, future))
+        self.queue = kept
+        return removed
 
     def poll(self, idle: bool = False) -> list[tuple[Req, list[int]]]:
         """Requests whose compilation is done leave the queue, in arrival order, as

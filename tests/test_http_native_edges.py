@@ -272,3 +272,25 @@ def test_an_engine_failing_before_a_streams_first_event_is_an_http_error(tiny_ll
             assert r.status_code == 503, r.text  # the engine is down by now
     finally:
         eng.shutdown()
+
+
+def test_a_batch_past_the_sequence_limit_is_a_400_before_any_work(client):
+    """One 8 MB body of 1M two-byte prompts grew a replica to 12.6 GB and froze it for
+    minutes (aborting them scanned the queue once per prompt). At most 65,536 sequences
+    (prompts x n) per request; the field that makes them is named."""
+    from radixray.cluster.request_checks import MAX_SEQUENCES_PER_REQUEST as limit
+
+    cases = [("/generate", {"text": ["a"] * (limit + 1)}, "text"),
+             ("/generate", {"input_ids": [[5]] * (limit + 1)}, "input_ids"),
+             ("/generate", {"text": ["a"] * 600, "sampling_params": {"n": 110}},
+              "sampling_params.n"),
+             ("/v1/completions", {"model": MODEL_NAME, "prompt": ["a"] * (limit + 1)}, "prompt")]
+    for path, body, field in cases:
+        started = time.monotonic()
+        r = client.post(path, json=body)
+        assert r.status_code == 400, (path, r.text[:300])
+        error = r.json().get("error", r.json())
+        assert error["param"] == field and "send the batch as several requests" in \
+            error["message"], error
+        assert time.monotonic() - started < 30
+    assert client.post("/generate", json={"text": ["a"] * 3}).status_code == 200
