@@ -12,7 +12,7 @@ and answers as a replica: one result per copy, prompt-major, each copy reporting
 tokens (streamed events carry that copy's ``index``).
 
 Knobs on the FakeWorker object (tests flip them while it serves): ``fail_status`` answers every
-generation with that status; ``delay`` waits before answering; ``chunk_delay`` paces stream
+generation with that status (only the next ``fail_next`` ones, when that is set); ``delay`` waits before answering; ``chunk_delay`` paces stream
 chunks; ``stream_abort`` (a finish reason such as ``{"type": "abort", "message": "engine died",
 "status_code": 503}``) ends every stream after its first token in-band, as a replica whose
 request was aborted: native answers finish with that reason, /v1 streams send the replica's
@@ -59,6 +59,7 @@ class FakeWorker:
         self.chunk_delay = chunk_delay
         self.api_key = api_key  # required by /get_server_info and /flush_cache when set
         self.fail_status: int | None = None
+        self.fail_next: int | None = None  # with fail_status: fail only this many more
         self.stream_abort: dict | None = None
         self.linger = 0.0  # seconds a stream stays open after its [DONE] (a slow close)
         self.health_status = 200
@@ -117,7 +118,9 @@ class FakeWorker:
         if self.delay and await self._client_left_within(request, self.delay):
             self.cancelled_requests += 1  # an engine would abort the request here
             return None, Response(status_code=499)
-        if self.fail_status is not None:
+        if self.fail_status is not None and self.fail_next != 0:
+            if self.fail_next is not None:
+                self.fail_next -= 1
             return None, JSONResponse({"error": {"message": f"{self.name} failing on purpose"}},
                                       status_code=self.fail_status)
         return json.loads(raw), None

@@ -144,7 +144,8 @@ class Proxy:
             if isinstance(result, Response):
                 if result.status_code < 300:  # a refused request is no prediction to judge
                     self.metrics.record_prediction(predicted, len(info.text))
-                    for suspect in suspects:  # the request was fine: they failed it
+                    # the request was fine: the others failed it (each once)
+                    for suspect in {id(w): w for w in suspects if w is not worker}.values():
                         suspect.breaker.record_failure()
                 return result
             if result.response is not None and result.response.status_code in SUSPECT_STATUS:

@@ -117,13 +117,14 @@ class ConstrainedDecoding:
             if not future.done():
                 pending.append((req, future))
                 continue
-            future.release()
             try:
                 compiled = future.result()
             except GrammarError as e:  # the client's grammar (400), or no capacity now (503)
                 req.finish_reason = FinishReason.abort(str(e), status_code=e.status_code)
                 done.append((req, []))
                 continue
+            finally:  # after the result: the last waiter gone would cancel a queued compile
+                future.release()  # and read its own "no request waits" instead of the 429
             req.grammar = self.backend.new_state(compiled, req.output_ids)
             if req.grammar.allows_nothing():  # an empty language: [^\s\S]
                 req.finish_reason = FinishReason.abort(

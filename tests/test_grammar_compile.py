@@ -190,6 +190,30 @@ def test_a_queued_compile_nobody_waits_for_is_dropped(tokenizer):
         backend.shutdown()
 
 
+def test_the_scheduler_reports_a_queue_timeout_as_429_not_an_abandoned_compile(tokenizer):
+    """poll() let go of the compilation before reading it: the last waiter's release dropped
+    the queued compile, and the request read "no request waits for it", a 400 blaming its
+    grammar, instead of the 429 (the server's load) it had earned."""
+    from radixray.scheduler.constrained import ConstrainedDecoding
+    from radixray.scheduler.request import Req
+    from radixray.worker.sampling_params import SamplingParams
+
+    backend = GrammarBackend(tokenizer, VOCAB, num_threads=1, compile_timeout_s=0.05)
+    gate = threading.Event()
+    backend._pool.submit(gate.wait)  # the only thread stays busy
+    try:
+        grammars = ConstrainedDecoding(backend, max_context_len=512)
+        req = Req("r", [1, 2], SamplingParams(regex="[a-z]+"))
+        grammars.add(req)
+        time.sleep(0.3)  # past four timeouts, never started
+        (finished, _), = grammars.poll()
+        assert finished is req and req.finish_reason.status_code == 429, req.finish_reason
+        assert "waited too long" in req.finish_reason.message
+    finally:
+        gate.set()
+        backend.shutdown()
+
+
 def test_a_tools_parameters_get_the_pattern_limit_too():
     """Forced tool calls build their grammar through another path, which skipped the check."""
     from radixray.scheduler.grammar import wrapped_json_schema_ebnf

@@ -14,6 +14,8 @@ import pytest
 
 from router_helpers import start_fakes, start_router
 
+from radixray.router.circuit import CLOSED
+
 
 def dead_url() -> str:
     import socket
@@ -112,6 +114,17 @@ def test_a_request_every_worker_answers_500_opens_no_circuit(servers):
         assert client.post("/generate", json={"text": f"fine {i}"}).status_code == 200
     assert f"{state.format(urls[0])} 1.0" in metrics_text(client)  # open
     assert f"{state.format(urls[1])} 0.0" in metrics_text(client)
+
+
+def test_a_500_then_an_answer_from_the_same_worker_is_no_failure(servers):
+    """With one worker the retry goes to the same one: its 500 followed by its own 200 was
+    booked as its failure (a half-open circuit re-opened right after the success)."""
+    fakes, urls = start_fakes(servers, 1)
+    client, router = start_router(servers, urls, max_retries=2, breaker_failure_threshold=2)
+    for _ in range(3):
+        fakes[0].fail_status, fakes[0].fail_next = 500, 1
+        assert client.post("/generate", json={"text": "x"}).status_code == 200
+    assert router.registry.get(urls[0]).breaker.state == CLOSED
 
 
 def spawn_fake(*flags):
