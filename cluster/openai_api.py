@@ -340,7 +340,7 @@ def chat_requests(body: ChatCompletionRequest, ctx: ServingContext
     names = client_field_names(body)
     sp = sampling_params(body, max_tokens, names)
     if plan.forced_ebnf is not None:
-        if sp.regex is not None or sp.json_schema is not None or sp.ebnf is not None:
+        if sp.constraint is not None:
             raise bad_request("tool_choice: a forced call cannot be combined with regex, "
                               "json_schema, ebnf or response_format", param="tool_choice")
         if sp.stop or sp.stop_regex or sp.stop_token_ids:

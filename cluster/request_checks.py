@@ -8,7 +8,7 @@ import re
 
 from ..scheduler.grammar import validate_grammar
 from ..scheduler.request import MAX_SEED, MIN_SEED, prompt_fit_problem
-from ..worker.sampling_params import SamplingParams, surrogate_at
+from ..worker.sampling_params import CONSTRAINT_KINDS, SamplingParams, surrogate_at
 from .api_errors import bad_request
 
 
@@ -47,8 +47,9 @@ def check_sampling_params(sp: SamplingParams, vocab_size: int | None,
             validate_grammar(*sp.constraint)
     except ValueError as e:
         name, _, msg = str(e).partition(": ")
-        for ours, theirs in rename.items():
-            msg = re.sub(rf"\b{ours}\b", theirs, msg)
+        for ours, theirs in rename.items():  # not the grammar kinds a message lists: two
+            if ours not in CONSTRAINT_KINDS:  # of them may come from one response_format
+                msg = re.sub(rf"\b{ours}\b", theirs, msg)
         name = where + rename.get(name, name)
         raise bad_request(f"{name}: {msg}", param=name) from None
 

@@ -134,6 +134,8 @@ def _structural_tag(text: str) -> xgr.Grammar:
         raise ValueError(f"not valid JSON ({e})") from None
     if not (isinstance(tag, dict) and "structures" in tag):
         return xgr.Grammar.from_structural_tag(text)
+    if "format" in tag:
+        raise ValueError("give either format (xgrammar's form) or structures (SGLang's)")
     structures, triggers = tag["structures"], tag.get("triggers")
     if not (isinstance(structures, list) and structures and isinstance(triggers, list)
             and all(isinstance(t, str) and t for t in triggers)):
@@ -146,6 +148,30 @@ def _structural_tag(text: str) -> xgr.Grammar:
         items.append(xgr.StructuralTagItem(begin=item["begin"], end=item["end"],
                                            schema=json.dumps(item["schema"])))
     return xgr.Grammar.from_structural_tag(items, triggers)
+
+
+def _tag_schemas_problem(text: str) -> str | None:
+    """The first problem of a JSON schema inside a structural tag (SGLang's ``structures``,
+    or xgrammar's ``json_schema`` contents), named by its path; None if they are fine."""
+    try:
+        stack = [(json.loads(text), "")]
+    except ValueError:
+        return None  # _structural_tag names it
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in reversed(list(enumerate(node))))
+        elif isinstance(node, dict):
+            schema_key = ("schema" if "begin" in node and "end" in node else
+                          "json_schema" if node.get("type") == "json_schema" else None)
+            schema = node.get(schema_key) if schema_key else None
+            if isinstance(schema, (dict, bool)):
+                problem = _parse_problem("json_schema", json.dumps(schema, sort_keys=True))
+                if problem is not None:
+                    return f"{path.lstrip('.')}.{schema_key}: {problem}"
+            stack.extend((v, f"{path}.{k}") for k, v in reversed(list(node.items()))
+                         if k != schema_key)
+    return None
 
 
 def wrapped_json_schema_ebnf(prefix: str, schema: str, suffix: str) -> str:
@@ -181,6 +207,10 @@ def validate_grammar(kind: str, text) -> None:
 def _parse_problem(kind: str, text: str) -> str | None:
     if kind in JSON_KINDS and (problem := _pattern_problem(text)):
         return problem
+    if kind == "structural_tag":  # its printed grammar (a tag dispatch) hides its rules from
+        problem = _tag_schemas_problem(text)  # the checks below: check each schema alone
+        if problem is not None:
+            return problem
     try:
         grammar = _grammar(kind, text)
     except Exception as exc:  # xgrammar raises RuntimeError and its own subclasses

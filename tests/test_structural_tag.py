@@ -18,6 +18,8 @@ CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength":
 LEGACY = {"type": "structural_tag", "triggers": ["<function="],
           "structures": [{"begin": "<function=get_weather>", "schema": CITY,
                           "end": "</function>"}]}
+SELF = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"],
+        "additionalProperties": False}
 # xgrammar's format: one tag from the first token on, so a random model must produce it
 FORCED = {"type": "structural_tag", "format": {
     "type": "tag", "begin": "<call>", "content": {"type": "json_schema", "json_schema": CITY},
@@ -57,6 +59,15 @@ def test_sglangs_format_is_free_until_a_trigger_then_the_schema(backend):
     ("not json", "not valid JSON"),
     (json.dumps({**LEGACY, "structures": [{"begin": "<f>", "end": "</f>", "schema": {
         "type": "string", "pattern": "[a-z]{1,5000}"}}]}), "repetition counts above 1000"),
+    # a schema no finite text satisfies, behind a trigger: its tag dispatch hid it from the
+    # check, and once triggered the model ran to max_tokens
+    (json.dumps({**LEGACY, "structures": [{"begin": "<f>", "end": "</f>", "schema": SELF}]}),
+     "structures[0].schema: no finite text satisfies root"),
+    (json.dumps({"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<f"], "tags": [{
+            "begin": "<f>", "content": {"type": "json_schema", "json_schema": SELF},
+            "end": "</f>"}]}}), "format.tags[0].content.json_schema: no finite text"),
+    (json.dumps({**LEGACY, "format": FORCED["format"]}), "give either format"),
 ])
 def test_bad_structural_tags_are_400s_naming_the_problem(text, problem):
     with pytest.raises(GrammarError, match=re.escape(problem)) as e:
@@ -97,6 +108,18 @@ def test_served_over_openai_and_native_apis(tiny_llama_path):
             r = c.post("/generate", json={"text": "a", "sampling_params": {
                 "structural_tag": json.dumps(FORCED), "regex": "a+"}})
             assert r.status_code == 400 and "at most one of" in r.text, r.text
+            r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "a",
+                                                "regex": "a+", "response_format": LEGACY})
+            assert r.json()["message"] == ("response_format: at most one of regex, "
+                                           "json_schema, ebnf and structural_tag may be given")
+        with ServerThread(engine, tiny_llama_path, tool_call_parser="qwen25") as url:
+            r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+                "model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}],
+                "response_format": LEGACY, "tool_choice": "required", "tools": [{
+                    "type": "function", "function": {"name": "f", "parameters": {
+                        "type": "object"}}}]})  # (it named response_format twice)
+            assert r.status_code == 400 and r.json()["param"] == "tool_choice", r.text
+            assert "a forced call cannot be combined with" in r.json()["message"]
         wait_idle(engine)
     finally:
         engine.shutdown()
