@@ -27,11 +27,11 @@ from ..router.config import CACHE_EPOCH_HEADER
 from . import native_api, openai_api, tokenize_api
 from .engine_protocol import HEALTH_CHECK_TIMEOUT_S, EngineClient
 from .api_errors import APIError, abort_error, bad_request, unavailable
-from .generation import (ServingContext, new_rid, open_stream, prepare_off_loop_if_large,
-                         until_disconnect)
+from .generation import ServingContext, new_rid, prepare_off_loop_if_large, until_disconnect
 from .metrics import COUNTERS, EXPOSITION_CONTENT_TYPE, GAUGES, EngineMetrics
 from .openai_serving import chat_completions, completions
 from .parallel_sampling import collect_states
+from .sse import open_stream
 
 HEALTH_PATHS = ("/health", "/health_generate")
 # Open without the API key, as SGLang's: load balancers and Prometheus scrape them; neither

@@ -23,11 +23,11 @@ from .detokenizer import token_texts
 from .engine_protocol import GenerateRequest
 from ..scheduler.grammar import KINDS as GRAMMAR_KINDS
 from .api_errors import abort_error, as_api_error, bad_request
-from .generation import (SSE_DONE, RequestState, ServingContext, Session, error_event, new_rid,
-                         sse)
+from .generation import RequestState, ServingContext, Session, new_rid
 from .parallel_sampling import expand_copies, run_all
-from .request_checks import (cache_namespace, check_batch_size, check_lengths, check_sampling_params, check_text,
-                             check_token_ids)
+from .request_checks import (cache_namespace, check_batch_size, check_lengths,
+                             check_sampling_params, check_text, check_token_ids)
+from .sse import SSE_DONE, error_event, sse
 
 IntOrList = int | list[int] | None
 BoolOrList = bool | list[bool] | None

@@ -16,9 +16,10 @@ from ..scheduler.grammar import KINDS as GRAMMAR_KINDS
 from . import openai_api as oa
 from . import openai_responses as res
 from .api_errors import abort_error, as_api_error
-from .generation import (SSE_DONE, RequestState, ServingContext, Session, error_event,
-                         open_stream, prepare_off_loop_if_large, sse, until_disconnect)
+from .generation import (RequestState, ServingContext, Session, prepare_off_loop_if_large,
+                         until_disconnect)
 from .parallel_sampling import collect_states, run_all
+from .sse import SSE_DONE, error_event, open_stream, sse
 from .tool_calls import ToolPlan, ToolStream
 
 

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 from ..worker.sampling_params import SamplingParams
 from .batch import ScheduleBatch
-from .grammar import GrammarBackend, GrammarError, GrammarFuture, validate_grammar
+from .grammar import GrammarError, validate_grammar
+from .grammar_compile import GrammarBackend, GrammarFuture
 from .grammar_state import MaskFiller
 from .request import FinishReason, Req
 

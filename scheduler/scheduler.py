@@ -82,10 +82,9 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, req: Req) -> None:
         """Queue ``req``. Raises ValueError naming the field for a request that can never run.
-        A max_new_tokens past the context, or past what the KV pool holds with nothing else in
-        it, is cut to it: the request ends there anyway (``length``, as at the context's end,
-        not an abort that loses the answer), and its KV reservation (scheduling) must not
-        count tokens that can never come."""
+        A max_new_tokens past the context, or past what the KV pool holds alone, is cut to it:
+        the request ends there anyway (``length``, not an abort losing the answer), and its KV
+        reservation must not count tokens that can never come."""
         self.validate_request(req)
         room = min(self.max_context_len, self.cache.pool_size) - req.prompt_len
         if req.sampling_params.max_new_tokens > room:
@@ -120,9 +119,8 @@ class Scheduler:
         return self.abort_many([rid], message) == 1
 
     def abort_many(self, rids: list[str], message: str = "aborted by request") -> int:
-        """``abort`` for each of ``rids``, in one pass over the queues (one by one, a client
-        that dropped a batch of 60k prompts kept the replica busy for minutes: each took a
-        scan of the waiting list). Returns how many were live."""
+        """``abort`` for each of ``rids`` in one pass over the queues (one scan each froze a
+        replica whose client dropped 60k queued prompts); how many were live."""
         reqs = [req for req in map(self.live.get, dict.fromkeys(rids)) if req is not None]
         ids = {id(req) for req in reqs}
         queued = {id(r) for queue in (self.waiting, self.loading) for r in queue if id(r) in ids}

@@ -17,8 +17,8 @@ import torch
 from grammar_cases import ARITH, CALL, FIXED_KEYS, REGEXES, arith_ok
 from grammar_cases import SCHEMAS as SHARED_SCHEMAS
 
-from radixray.scheduler.grammar import (JSON_OBJECT_SCHEMA, GrammarBackend, GrammarError,
-                                        validate_grammar)
+from radixray.scheduler.grammar import JSON_OBJECT_SCHEMA, GrammarError, validate_grammar
+from radixray.scheduler.grammar_compile import GrammarBackend
 from radixray.scheduler.grammar_state import JUMP_WINDOW, MaskFiller, allocate_vocab_mask
 from radixray.worker.vocab_mask import unpack_vocab_mask
 

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from radixray.scheduler.grammar import GrammarBackend, GrammarError, validate_grammar
+from radixray.scheduler.grammar import GrammarError, validate_grammar
+from radixray.scheduler.grammar_compile import GrammarBackend
 
 VOCAB = 2048
 SCHEMA = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}},

@@ -11,7 +11,8 @@ import jsonschema
 import pytest
 from http_helpers import MODEL_NAME, ServerThread, make_engine, wait_idle
 
-from radixray.scheduler.grammar import GrammarBackend, GrammarError, validate_grammar
+from radixray.scheduler.grammar import GrammarError, validate_grammar
+from radixray.scheduler.grammar_compile import GrammarBackend
 
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
         "required": ["city"], "additionalProperties": False}
