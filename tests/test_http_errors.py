@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from http_helpers import (MODEL_NAME, ServerThread, client_fixture, make_engine, serving_fixtures, wait_idle)
+from http_helpers import MODEL_NAME, ServerThread, client_fixture, serving_fixtures, wait_idle
 
 LONG = {"max_new_tokens": 1500, "ignore_eos": True}
 
@@ -381,29 +381,3 @@ def test_health_is_503_when_stuck_or_not_running(engine, tiny_llama_path):
                 body = r.json()
                 assert "not running" in body.get("error", body)["message"], path
     wait_idle(engine)
-
-
-def test_engine_failure_aborts_live_requests_instead_of_hanging(tiny_llama_path):
-    eng = make_engine(tiny_llama_path)
-    try:
-        with ServerThread(eng, tiny_llama_path) as url, httpx.Client(base_url=url,
-                                                                     timeout=30) as c:
-            with c.stream("POST", "/v1/completions", json={
-                    "model": MODEL_NAME, "prompt": "x", "max_tokens": 1500, "ignore_eos": True,
-                    "stream": True}) as r:
-                lines = (line for line in r.iter_lines() if line)
-                assert next(lines).startswith("data: {")
-
-                def broken_forward(batch):
-                    raise RuntimeError("device fell off the bus")
-
-                eng.scheduler.runner.forward = broken_forward
-                rest = list(lines)
-            assert any('"error"' in line and "device fell off the bus" in line for line in rest)
-            assert rest[-1] == "data: [DONE]"
-            assert c.get("/health").status_code == 503
-            r = c.post("/generate", json={"text": "a"})
-            assert r.status_code == 503 and "engine is not running" in r.json()["error"]["message"]
-    finally:
-        eng.shutdown()
-    assert not eng.alive and isinstance(eng.failure, RuntimeError)

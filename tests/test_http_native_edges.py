@@ -294,3 +294,29 @@ def test_a_batch_past_the_sequence_limit_is_a_400_before_any_work(client):
             error["message"], error
         assert time.monotonic() - started < 30
     assert client.post("/generate", json={"text": ["a"] * 3}).status_code == 200
+
+
+def test_engine_failure_aborts_live_requests_instead_of_hanging(tiny_llama_path):
+    eng = make_engine(tiny_llama_path)
+    try:
+        with ServerThread(eng, tiny_llama_path) as url, httpx.Client(base_url=url,
+                                                                     timeout=30) as c:
+            with c.stream("POST", "/v1/completions", json={
+                    "model": MODEL_NAME, "prompt": "x", "max_tokens": 1500, "ignore_eos": True,
+                    "stream": True}) as r:
+                lines = (line for line in r.iter_lines() if line)
+                assert next(lines).startswith("data: {")
+
+                def broken_forward(batch):
+                    raise RuntimeError("device fell off the bus")
+
+                eng.scheduler.runner.forward = broken_forward
+                rest = list(lines)
+            assert any('"error"' in line and "device fell off the bus" in line for line in rest)
+            assert rest[-1] == "data: [DONE]"
+            assert c.get("/health").status_code == 503
+            r = c.post("/generate", json={"text": "a"})
+            assert r.status_code == 503 and "engine is not running" in r.json()["error"]["message"]
+    finally:
+        eng.shutdown()
+    assert not eng.alive and isinstance(eng.failure, RuntimeError)
