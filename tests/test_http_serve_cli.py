@@ -64,6 +64,8 @@ def test_bad_flag_value_names_it(tiny_llama_path):
 
 def test_serve_without_model_uses_the_default_model(tiny_llama_path, tmp_path):
     port, dashboard = free_port(), free_port()
+    while dashboard in (port + 1, port):  # the replica listens on --port + 1 by default
+        dashboard = free_port()
     # the default model's folder already holds weights, so serve uses it as is
     env = {**os.environ, "RADIXRAY_MODEL_DIR": tiny_llama_path}
     proc = subprocess.Popen(

@@ -30,8 +30,9 @@ def settled(router) -> None:
 
 
 def open_circuit(client, router, fake, url):
-    """Fail requests on ``fake`` until its circuit opens; then let it answer well again."""
-    fake.fail_status = 500
+    """Fail requests on ``fake`` until its circuit opens; then let it answer well again. (A 503
+    without the restarting marker: a 500 counts only once another worker answers.)"""
+    fake.fail_status = 503
     while router.registry.get(url).breaker.state != OPEN:
         client.post("/generate", json={"text": "fail"})
     fake.fail_status = None
