@@ -141,3 +141,30 @@ def wait_healthy(url: str, timeout: float, alive=lambda: True, interval: float =
         assert alive(), f"{url}: the server's process ended"
         assert time.monotonic() < deadline, f"{url} did not become healthy in {timeout} s"
         time.sleep(interval)
+
+
+def ports_below_ephemeral(count: int) -> list[int]:
+    """``count`` free ports below the kernel's ephemeral range. A port from bind(0) lies inside
+    it, and Ray, starting a moment later, binds its own ports there: a serve's replica on
+    --port + 1 found that port taken in one CI run of two."""
+    import socket
+
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.Random()
+    chosen: list[int] = []
+    while len(chosen) < count:
+        port = rng.randrange(max(1024, low - 12000), low - 1)
+        if port in chosen:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        chosen.append(port)
+    return chosen

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from helpers import processes_using, wait_healthy
+from helpers import ports_below_ephemeral, processes_using, wait_healthy
 from radixray.cluster.cli import build_parser
 
 
@@ -63,15 +63,14 @@ def test_bad_flag_value_names_it(tiny_llama_path):
 
 
 def test_serve_without_model_uses_the_default_model(tiny_llama_path, tmp_path):
-    port, dashboard = free_port(), free_port()
-    while dashboard in (port + 1, port):  # the replica listens on --port + 1 by default
-        dashboard = free_port()
+    port, replica, dashboard = ports_below_ephemeral(3)  # none that Ray may take meanwhile
     # the default model's folder already holds weights, so serve uses it as is
     env = {**os.environ, "RADIXRAY_MODEL_DIR": tiny_llama_path}
     proc = subprocess.Popen(
         [sys.executable, "-m", "radixray.cluster.cli", "serve", "--port", str(port),
-         "--schedule-policy", "lpm", "--max-total-tokens", "4096", "--debug-invariants",
-         "--ray-dashboard-port", str(dashboard)],
+         "--replica-base-port", str(replica), "--schedule-policy", "lpm",
+         "--max-total-tokens", "4096", "--debug-invariants", "--ray-dashboard-port",
+         str(dashboard)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
