@@ -120,7 +120,7 @@ def _structural_tag(text: str) -> xgr.Grammar:
     a trigger, then the tag whose ``begin`` follows, its content constrained, until its end."""
     try:
         tag = json.loads(text)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # (nested past the parser's depth)
         raise ValueError(f"not valid JSON ({e})") from None
     if not (isinstance(tag, dict) and "structures" in tag):
         return xgr.Grammar.from_structural_tag(text)
@@ -145,7 +145,7 @@ def _tag_schemas_problem(text: str) -> str | None:
     or xgrammar's ``json_schema`` contents), named by its path; None if they are fine."""
     try:
         stack = [(json.loads(text), "")]
-    except ValueError:
+    except (ValueError, RecursionError):
         return None  # _structural_tag names it
     while stack:
         node, path = stack.pop()

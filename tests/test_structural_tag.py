@@ -69,6 +69,7 @@ def test_sglangs_format_is_free_until_a_trigger_then_the_schema(backend):
             "begin": "<f>", "content": {"type": "json_schema", "json_schema": SELF},
             "end": "</f>"}]}}), "format.tags[0].content.json_schema: no finite text"),
     (json.dumps({**LEGACY, "format": FORCED["format"]}), "give either format"),
+    ("[" * 100_000 + "]" * 100_000, "not valid JSON"),  # nested past the parser's depth
 ])
 def test_bad_structural_tags_are_400s_naming_the_problem(text, problem):
     with pytest.raises(GrammarError, match=re.escape(problem)) as e:
