@@ -92,6 +92,21 @@ class PrefillAdder:
         self._admit(req, take, reserve)
         return None if last_piece else req
 
+    def _need(self, req: Req) -> tuple[int, int]:
+        """(free slots ``req`` needs to be admitted, the output reserve it then takes). A
+        request alone needs only its prompt to fit; its output is still reserved once it is
+        in, against the requests after it (they over-committed by its max_new_tokens)."""
+        reserve = min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS)
+        alone = self.alone and not self.can_run
+        return self._page_ceil(req.total_len - req.tree_len) + (0 if alone else reserve), reserve
+
+    def load_budget(self, req: Req) -> float:
+        """Slots a host-tier load of ``req``'s prefix may lock so that ``req`` still passes
+        ``add_one_req`` afterwards (the loaded prefix is no longer to compute): a load never
+        takes memory from requests admitted this round or holds it for one that cannot run."""
+        host = sum(len(n.key) for n in req.host_nodes)
+        return self.rem_total_tokens - (self._need(req)[0] - host)
+
     def add_one_req(self, req: Req) -> AddResult:
         """Try to admit a matched (``prefix_indices``/``last_node`` set), slot-less request.
 
@@ -100,10 +115,7 @@ class PrefillAdder:
         result says whether more requests may follow."""
         alone = self.alone and not self.can_run
         extend = req.total_len - req.tree_len
-        # A request alone needs only its prompt to fit; its output is still reserved once it
-        # is in, against the requests after it (they over-committed by its max_new_tokens)
-        reserve = min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS)
-        need = self._page_ceil(extend) + (0 if alone else reserve)
+        need, reserve = self._need(req)
 
         def out_of_slots() -> bool:
             return need > self.rem_total_tokens if alone else need >= self.rem_total_tokens

@@ -37,7 +37,7 @@ from .prefill_adder import AddResult, PrefillAdder
 from .request import FinishReason, Req, RequestOutput, prompt_fit_problem
 from .stats import SchedulerStats, scheduler_metrics
 from .stop import Decode, StopChecker
-from .token_ratio import CLIP_MAX_NEW_TOKENS, NewTokenRatio
+from .token_ratio import NewTokenRatio
 
 
 class Scheduler:
@@ -244,7 +244,7 @@ class Scheduler:
                 if len(admitted) >= self.cache.free_rows():
                     break
                 self.cache.match(req)
-                if req.host_nodes and self._start_load(req, adder):
+                if req.host_nodes and self.cache.start_load(req, adder.load_budget(req)):
                     loading.append(req)  # back in the queue when the load is confirmed
                     continue
                 if sharing is not None and sharing.hold_back(req):
@@ -270,17 +270,6 @@ class Scheduler:
             self.stats.num_mixed_batches += 1
         self.stats.num_prefill_batches += 1
         return ScheduleBatch.build(adder.can_run + extend, decode, self.cache)
-
-    def _start_load(self, req: Req, adder: PrefillAdder) -> bool:
-        """Start loading ``req``'s host-tier prefix if ``req`` would then fit the budget (the
-        test ``add_one_req`` applies, counting the prefix the load locks), so a load never
-        takes memory from requests admitted this round or holds it for one that cannot run;
-        True if ``req`` now waits for the load."""
-        alone = adder.alone and not adder.can_run
-        reserve = 0 if alone else min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS)
-        host = sum(len(n.key) for n in req.host_nodes)
-        rest = self.cache.slots_needed(0, req.total_len - req.tree_len) - host + reserve
-        return self.cache.start_load(req, adder.rem_total_tokens - rest)
 
     def _decode_batch(self) -> ScheduleBatch | None:
         if not self.running:

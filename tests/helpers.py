@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import socket
 import time
 from pathlib import Path
 
@@ -147,8 +148,6 @@ def ports_below_ephemeral(count: int) -> list[int]:
     """``count`` free ports below the kernel's ephemeral range. A port from bind(0) lies inside
     it, and Ray, starting a moment later, binds its own ports there: a serve's replica on
     --port + 1 found that port taken in one CI run of two."""
-    import socket
-
     low = 32768
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:

@@ -164,7 +164,8 @@ def test_host_pool_size_is_in_gb_and_bounded_by_free_memory(monkeypatch, caplog)
 def test_host_memory_reads_a_containers_cgroup_limit(tmp_path, version):
     """In a pod with a memory limit the host's MemAvailable counts memory the container may
     not take: a pool sized from it gets the pod OOM-killed instead of the tier turned off."""
-    from radixray.worker.host_pool import _meminfo_available, available_host_bytes
+    from radixray.worker.host_pool import (_cgroup_available, _meminfo_available,
+                                           available_host_bytes)
 
     gb = 10**9
     folder = tmp_path if version == "v2" else tmp_path / "memory"
@@ -174,6 +175,8 @@ def test_host_memory_reads_a_containers_cgroup_limit(tmp_path, version):
     (folder / names[0]).write_text(f"{8 * gb}\n")
     (folder / names[1]).write_text(f"{3 * gb}\n")  # 1 GB of it reclaimable page cache
     (folder / "memory.stat").write_text(f"anon 1\n{names[2]} {gb}\nactive_file 5\n")
+    assert _cgroup_available(str(tmp_path)) == 6 * gb  # 8 GB less the 2 GB working set
     assert available_host_bytes(str(tmp_path)) == min(6 * gb, _meminfo_available())
     (folder / names[0]).write_text("max\n" if version == "v2" else "9223372036854771712\n")
-    assert available_host_bytes(str(tmp_path)) == _meminfo_available()  # no limit
+    assert _cgroup_available(str(tmp_path)) is None  # no limit
+    assert available_host_bytes(str(tmp_path)) == _meminfo_available()
