@@ -7,7 +7,7 @@ waits on a condition variable; no busy loop. If a step raises, every live reques
 with an abort reason (nobody hangs), the engine marks itself failed and stops: health checks
 then fail, so an orchestrator restarts the replica.
 
-Until the Ray replica exists, ``radixray serve`` runs on this engine.
+Every replica head (``cluster/replica.py``) and the offline ``Engine`` run on this engine.
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ class InProcessEngine:
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
+        # Set (under _cond) once the thread has stopped taking commands: later ones fail at
+        # once instead of waiting in an inbox nobody reads.
+        self._closed: str | None = None
         self.failure: BaseException | None = None
         self.steps = 0  # forward steps done; health checks use it to tell busy from stuck
         self._stats: dict = {}
@@ -197,8 +200,26 @@ class InProcessEngine:
     # ------------------------------------------------------------------ the thread
     def _send(self, command: tuple) -> None:
         with self._cond:
-            self._inbox.append(command)
-            self._cond.notify()
+            closed = self._closed
+            if closed is None:
+                self._inbox.append(command)
+                self._cond.notify()
+        if closed is not None:
+            self._refuse(command, closed)
+
+    def _refuse(self, command: tuple, message: str) -> None:
+        """Fail a command the thread will never apply (its waiter gets a RuntimeError)."""
+        error = RuntimeError(f"engine stopped: {message}")
+        if command[0] == "add":
+            if not command[1].probe:
+                self._failed_at_stop += 1
+                self._failed_prompt_tokens += command[1].prompt_len
+            try:
+                command[2].call_soon_threadsafe(command[3].put_nowait, error)
+            except RuntimeError:  # that event loop is closed: its client is gone
+                pass
+        elif command[0] == "call":
+            command[2].set_exception(error)
 
     def _run(self) -> None:
         s = self.scheduler
@@ -295,19 +316,12 @@ class InProcessEngine:
                 loop.call_soon_threadsafe(queue.put_nowait, out)
             except RuntimeError:
                 pass
-        while self._inbox:  # submissions that never reached the scheduler
-            command = self._inbox.popleft()
-            if command[0] == "add":
-                if not command[1].probe:
-                    self._failed_at_stop += 1
-                    self._failed_prompt_tokens += command[1].prompt_len
-                try:
-                    command[2].call_soon_threadsafe(command[3].put_nowait,
-                                                    RuntimeError(f"engine stopped: {message}"))
-                except RuntimeError:
-                    pass
-            elif command[0] == "call":
-                command[2].set_exception(RuntimeError(f"engine stopped: {message}"))
+        with self._cond:  # from now on _send refuses: nothing reads the inbox any more
+            self._closed = self._closed or message
+            leftover = list(self._inbox)  # submissions that never reached the scheduler
+            self._inbox.clear()
+        for command in leftover:
+            self._refuse(command, message)
 
     def _snapshot(self) -> dict:
         stats = self.scheduler.metrics()

@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from ..scheduler.config import SchedulerConfig
 from ..scheduler.request import Req, prompt_fit_problem
@@ -29,6 +30,9 @@ from ..scheduler.stop import (StopRegexTooSlow, decode_after, decode_context, tr
 from ..worker.sampling_params import SamplingParams, surrogate_at
 from .engine_requests import Collected, copy_seed, logprob_start, per_request, plain_entry
 from .request_checks import context_overflow
+
+if TYPE_CHECKING:
+    from ..worker.model_runner import RunnerConfig
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +86,25 @@ def _check_runner_args(runner: dict) -> None:
         raise ValueError(f"device: {device!r}; use cpu, cuda, cuda:N or auto")
 
 
+def runner_config(model_path: str, config: SchedulerConfig, runner_args: dict,
+                  eos_token_ids: tuple[int, ...] = ()) -> RunnerConfig:
+    """The model runner's configuration from the server arguments (SGLang names) and the
+    tokenizer's EOS ids; the offline Engine's and every replica's."""
+    from ..worker.model_runner import RunnerConfig
+
+    return RunnerConfig(
+        model_path, dtype=runner_args["dtype"], device=runner_args["device"],
+        max_total_tokens=config.max_total_tokens,
+        mem_fraction_static=runner_args["mem_fraction_static"],
+        max_running_requests=config.max_running_requests,
+        max_context_len=runner_args["context_length"], page_size=config.page_size,
+        attention_backend=runner_args["attention_backend"],
+        load_format=runner_args["load_format"], seed=config.random_seed,
+        enable_hierarchical_cache=config.enable_hierarchical_cache,
+        hicache_ratio=config.hicache_ratio, hicache_size=config.hicache_size,
+        eos_token_ids=eos_token_ids)
+
+
 def tokenizer_eos(tokenizer) -> tuple[int, ...]:
     """The tokenizer's EOS id, if it has one: it ends a request as the model config's do."""
     return () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
@@ -104,7 +127,7 @@ class Engine:
         """
         from transformers import AutoTokenizer
 
-        from ..worker.model_runner import ModelRunner, RunnerConfig
+        from ..worker.model_runner import ModelRunner
 
         import torch
 
@@ -140,17 +163,8 @@ class Engine:
         self.server_args = {**runner_args, **{k: getattr(self.config, k)
                                               for k in SchedulerConfig.field_names()}}
         self.tokenizer = AutoTokenizer.from_pretrained(runner_args["tokenizer_path"] or model_path)
-        self.runner = ModelRunner(RunnerConfig(
-            model_path, dtype=runner_args["dtype"], device=runner_args["device"],
-            max_total_tokens=self.config.max_total_tokens,
-            mem_fraction_static=runner_args["mem_fraction_static"],
-            max_running_requests=self.config.max_running_requests,
-            max_context_len=runner_args["context_length"], page_size=self.config.page_size,
-            attention_backend=runner_args["attention_backend"],
-            load_format=runner_args["load_format"], seed=self.config.random_seed,
-            enable_hierarchical_cache=self.config.enable_hierarchical_cache,
-            hicache_ratio=self.config.hicache_ratio, hicache_size=self.config.hicache_size,
-            eos_token_ids=tokenizer_eos(self.tokenizer)))
+        self.runner = ModelRunner(runner_config(model_path, self.config, runner_args,
+                                                tokenizer_eos(self.tokenizer)))
         # One generate at a time (two threads stepping one scheduler corrupt it), held from its
         # checks on; shutdown and flush_cache wait for it.
         self._lock = threading.Lock()
@@ -375,6 +389,8 @@ class Engine:
         with self._lock:
             if self.scheduler is not None and self.scheduler.grammars is not None:
                 self.scheduler.grammars.backend.shutdown()
+            if self.runner is not None:
+                self.runner.close()
             self.scheduler = None
             self.runner = None
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..scheduler.request import MAX_SEED, RequestOutput
+from ..scheduler.request import RequestOutput
+from ..worker.sampling_params import MAX_SEED
 
 
 @dataclass

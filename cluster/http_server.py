@@ -26,12 +26,10 @@ from .. import __version__
 from ..router.config import CACHE_EPOCH_HEADER
 from . import native_api, openai_api, tokenize_api
 from .engine_protocol import HEALTH_CHECK_TIMEOUT_S, EngineClient
-from .api_errors import APIError, abort_error, bad_request, unavailable
-from .generation import ServingContext, new_rid, prepare_off_loop_if_large, until_disconnect
+from .api_errors import APIError, bad_request, unavailable
+from .generation import ServingContext, prepare_off_loop_if_large
 from .metrics import COUNTERS, EXPOSITION_CONTENT_TYPE, GAUGES, EngineMetrics
 from .openai_serving import chat_completions, completions
-from .parallel_sampling import collect_states
-from .sse import open_stream
 
 HEALTH_PATHS = ("/health", "/health_generate")
 # Open without the API key, as SGLang's: load balancers and Prometheus scrape them; neither
@@ -155,15 +153,14 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
     if args.chat_template is not None:  # --chat-template: the model's own does not fit
         tokenizer.chat_template = args.chat_template
     registry = CollectorRegistry()  # this app's own, so several replicas in a process coexist
-    metrics = EngineMetrics(registry, args.model_name, args.replica)
     ctx = ServingContext(
         engine, tokenizer, args.model_name,
         context_len=args.context_len or info.get("max_context_len") or tokenizer.model_max_length,
         vocab_size=info.get("vocab_size") or len(tokenizer),
-        max_queued_requests=args.max_queued_requests, metrics=metrics,
+        max_queued_requests=args.max_queued_requests,
+        metrics=EngineMetrics(registry, args.model_name, args.replica),
         tool_call_parser=args.tool_call_parser, pool_tokens=info.get("max_total_num_tokens"))
     state = {"shutting_down": False}
-    model_cfg = _model_config(args.model_path)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -175,7 +172,14 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
     if args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
     app.add_middleware(CacheEpochHeader, engine=engine)
+    _add_error_handlers(app)
+    _add_operations_routes(app, ctx, args, registry, state)
+    _add_api_routes(app, ctx, args)
+    return app
 
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error in the API's error shape (``error_body``), a crash too (a 500)."""
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):
         return JSONResponse(error_body(request.url.path, err), status_code=err.status,
@@ -195,7 +199,13 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
                        err_type="InternalServerError")
         return JSONResponse(error_body(request.url.path, err), status_code=500)
 
-    # ------------------------------------------------------------------ health and info
+
+def _add_operations_routes(app: FastAPI, ctx: ServingContext, args: ServerArgs,
+                           registry: CollectorRegistry, state: dict) -> None:
+    """Health, model and server info, the cache flush, aborts and metrics."""
+    engine = ctx.engine
+    model_cfg = _model_config(args.model_path)
+
     async def _health() -> Response:
         if state["shutting_down"]:
             return PlainTextResponse("shutting down", status_code=503)
@@ -229,19 +239,6 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
     for path in ("/server_info", "/get_server_info"):
         app.add_api_route(path, _server_info, methods=["GET"])
 
-    model_card = {"id": args.model_name, "object": "model", "created": int(time.time()),
-                  "owned_by": "radixray", "root": args.model_path,
-                  "max_model_len": ctx.context_len}
-
-    @app.get("/v1/models")
-    async def _models():
-        return {"object": "list", "data": [model_card]}
-
-    @app.get("/v1/models/{model:path}")  # OpenAI's "retrieve model"; a path may hold "/"
-    async def _model(model: str):
-        openai_api.check_model(model, ctx, args.model_path)
-        return model_card
-
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def _flush():
         try:
@@ -255,29 +252,31 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
 
     @app.post("/abort_request")
     async def _abort(request: Request):
-        raw = await request.body()
-        try:
-            body = json.loads(raw) if raw else {}
-        except (ValueError, RecursionError) as e:  # nested too deep: RecursionError
-            raise bad_request(f"body: malformed JSON ({e})", param="body") from None
-        if not isinstance(body, dict):
-            raise bad_request("body: must be a JSON object", param="body")
-        if not isinstance(body.get("abort_all", False), bool):  # "false" is truthy
-            raise bad_request("abort_all: must be true or false", param="abort_all")
-        if body.get("abort_all"):
-            return {"aborted": await ctx.abort(abort_all=True)}
-        if isinstance(body.get("rid"), str) and body["rid"]:
-            return {"aborted": await ctx.abort(body["rid"])}
-        raise bad_request("rid: give a request id (or abort_all: true)", param="rid")
+        return await native_api.abort_request(ctx, await request.body())
 
     @app.get("/metrics")
     async def _metrics():
         stats = engine.stats()
-        metrics.update_scheduler_stats({k: v for k, v in stats.items()
-                                        if k in GAUGES or k in COUNTERS})
+        ctx.metrics.update_scheduler_stats({k: v for k, v in stats.items()
+                                            if k in GAUGES or k in COUNTERS})
         return Response(generate_latest(registry), media_type=EXPOSITION_CONTENT_TYPE)
 
-    # ------------------------------------------------------------------ tokenizer
+
+def _add_api_routes(app: FastAPI, ctx: ServingContext, args: ServerArgs) -> None:
+    """The models list, the tokenizer and generation: SGLang's native API and OpenAI's."""
+    model_card = {"id": args.model_name, "object": "model", "created": int(time.time()),
+                  "owned_by": "radixray", "root": args.model_path,
+                  "max_model_len": ctx.context_len}
+
+    @app.get("/v1/models")
+    async def _models():
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model:path}")  # OpenAI's "retrieve model"; a path may hold "/"
+    async def _model(model: str):
+        openai_api.check_model(model, ctx, args.model_path)
+        return model_card
+
     async def _tokenize(request: Request):
         body = await parse_body(request, tokenize_api.TokenizeRequest)
         if body.model is not None:
@@ -294,39 +293,10 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
         app.add_api_route(prefix + "/tokenize", _tokenize, methods=["POST"])
         app.add_api_route(prefix + "/detokenize", _detokenize, methods=["POST"])
 
-    # ------------------------------------------------------------------ generation
     @app.post("/generate")
     async def _generate(request: Request):
         body = await parse_body(request, native_api.GenerateReqInput)
-        firsts, copies, batch = await prepare_off_loop_if_large(
-            request, native_api.build_requests, body, ctx)
-        flat = [r for group in copies for r in group]
-        # A batch's session has a key no prompt's rid can equal: aborting one prompt's rid
-        # must not abort the others (a string rid names the whole batch, as in SGLang).
-        key = body.rid if isinstance(body.rid, str) else (
-            new_rid("batch-") if batch else firsts[0].rid)
-        prompts = {first.rid: {c.rid for c in group} for first, group in zip(firsts, copies)
-                   if batch and len(group) > 1}
-        size_field = ("sampling_params.n" if len(flat) > len(firsts)
-                      else "text" if body.text is not None else "input_ids")
-        session = ctx.open_session(key, flat, prompts, size_field)
-        with_text = bool(body.return_text_in_logprobs)
-        multi = batch or len(flat) > 1
-        if body.stream:
-            return await open_stream(
-                request, native_api.stream_events(ctx, firsts, copies, with_text, multi, session),
-                session)
-        try:
-            states = await until_disconnect(request, collect_states(ctx, firsts, copies))
-        finally:
-            session.close()
-        if isinstance(states, Response):
-            return states
-        failed = next((s for s in states if native_api.failed(s)), None)
-        if failed is not None:
-            raise abort_error(failed.finish_reason, native_api.GRAMMAR_FIELDS)
-        results = [native_api.native_result(s, tokenizer, with_text) for s in states]
-        return results if multi else results[0]
+        return await native_api.generate(request, ctx, body)
 
     @app.post("/v1/completions")
     async def _completions(request: Request):
@@ -339,5 +309,3 @@ def create_app(engine: EngineClient, tokenizer, server_args: ServerArgs) -> Fast
         body = await parse_body(request, openai_api.ChatCompletionRequest)
         openai_api.check_model(body.model, ctx, args.model_path)
         return await chat_completions(request, ctx, body)
-
-    return app

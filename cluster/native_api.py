@@ -13,21 +13,24 @@ is null. Streams send cumulative ``text``.
 
 from __future__ import annotations
 
+import json
 from contextlib import aclosing
 from typing import Any
 
+from fastapi import Request
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
-from ..worker.sampling_params import SamplingParams
+from ..worker.sampling_params import CONSTRAINT_KINDS, SamplingParams
 from .detokenizer import token_texts
 from .engine_protocol import GenerateRequest
-from ..scheduler.grammar import KINDS as GRAMMAR_KINDS
 from .api_errors import abort_error, as_api_error, bad_request
-from .generation import RequestState, ServingContext, Session, new_rid
-from .parallel_sampling import expand_copies, run_all
+from .generation import (RequestState, ServingContext, Session, new_rid,
+                         prepare_off_loop_if_large, until_disconnect)
+from .parallel_sampling import collect_states, expand_copies, run_all
 from .request_checks import (cache_namespace, check_batch_size, check_lengths,
                              check_sampling_params, check_text, check_token_ids)
-from .sse import SSE_DONE, error_event, sse
+from .sse import SSE_DONE, error_event, open_stream, sse
 
 IntOrList = int | list[int] | None
 BoolOrList = bool | list[bool] | None
@@ -187,7 +190,7 @@ def native_result(state: RequestState, tokenizer, with_text: bool) -> dict:
 
 
 # the client's field behind each grammar kind, for a grammar error from the scheduler
-GRAMMAR_FIELDS = {kind: f"sampling_params.{kind}" for kind in GRAMMAR_KINDS}
+GRAMMAR_FIELDS = {kind: f"sampling_params.{kind}" for kind in CONSTRAINT_KINDS}
 
 
 def failed(state: RequestState) -> bool:
@@ -219,3 +222,51 @@ async def stream_events(ctx: ServingContext, firsts: list[GenerateRequest],
         yield SSE_DONE
     finally:
         session.close()
+
+
+async def generate(request: Request, ctx: ServingContext, body: GenerateReqInput):
+    """``POST /generate``: one result (or a list of them), or an SSE stream of them."""
+    firsts, copies, batch = await prepare_off_loop_if_large(request, build_requests, body, ctx)
+    flat = [r for group in copies for r in group]
+    # A batch's session has a key no prompt's rid can equal: aborting one prompt's rid must
+    # not abort the others (a string rid names the whole batch, as in SGLang).
+    key = body.rid if isinstance(body.rid, str) else (
+        new_rid("batch-") if batch else firsts[0].rid)
+    prompts = {first.rid: {c.rid for c in group} for first, group in zip(firsts, copies)
+               if batch and len(group) > 1}
+    size_field = ("sampling_params.n" if len(flat) > len(firsts)
+                  else "text" if body.text is not None else "input_ids")
+    session = ctx.open_session(key, flat, prompts, size_field)
+    with_text = bool(body.return_text_in_logprobs)
+    multi = batch or len(flat) > 1
+    if body.stream:
+        return await open_stream(
+            request, stream_events(ctx, firsts, copies, with_text, multi, session), session)
+    try:
+        states = await until_disconnect(request, collect_states(ctx, firsts, copies))
+    finally:
+        session.close()
+    if isinstance(states, Response):
+        return states
+    failed_state = next((s for s in states if failed(s)), None)
+    if failed_state is not None:
+        raise abort_error(failed_state.finish_reason, GRAMMAR_FIELDS)
+    results = [native_result(s, ctx.tokenizer, with_text) for s in states]
+    return results if multi else results[0]
+
+
+async def abort_request(ctx: ServingContext, raw: bytes) -> dict:
+    """``POST /abort_request``: ``{"rid": ...}`` or ``{"abort_all": true}``."""
+    try:
+        body = json.loads(raw) if raw else {}
+    except (ValueError, RecursionError) as e:  # nested too deep: RecursionError
+        raise bad_request(f"body: malformed JSON ({e})", param="body") from None
+    if not isinstance(body, dict):
+        raise bad_request("body: must be a JSON object", param="body")
+    if not isinstance(body.get("abort_all", False), bool):  # "false" is truthy
+        raise bad_request("abort_all: must be true or false", param="abort_all")
+    if body.get("abort_all"):
+        return {"aborted": await ctx.abort(abort_all=True)}
+    if isinstance(body.get("rid"), str) and body["rid"]:
+        return {"aborted": await ctx.abort(body["rid"])}
+    raise bad_request("rid: give a request id (or abort_all: true)", param="rid")

@@ -12,7 +12,7 @@ from contextlib import aclosing
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from ..scheduler.grammar import KINDS as GRAMMAR_KINDS
+from ..worker.sampling_params import CONSTRAINT_KINDS
 from . import openai_api as oa
 from . import openai_responses as res
 from .api_errors import abort_error, as_api_error
@@ -31,7 +31,7 @@ def _grammar_fields(body) -> dict[str, str]:
     """The client's field behind each grammar kind, for a grammar error from the scheduler."""
     names, tools = oa.client_field_names(body), "tools" if getattr(body, "tools", None) else None
     return {kind: names.get(kind) or (kind if getattr(body, kind, None) else tools) or kind
-            for kind in GRAMMAR_KINDS}
+            for kind in CONSTRAINT_KINDS}
 
 
 def _chunk_usage(body, state: RequestState) -> dict | None:

@@ -33,9 +33,8 @@ import uuid
 
 from ..scheduler.config import SchedulerConfig
 from ..scheduler.scheduler import Scheduler
-from ..worker.model_runner import RunnerConfig
 from .async_engine import InProcessEngine
-from .engine import split_server_args, tokenizer_eos
+from .engine import runner_config, split_server_args, tokenizer_eos
 from .engine_slot import RestartGate, SwappableEngine
 from .heap import freeze_startup_heap
 from .tp_worker import free_port
@@ -129,21 +128,6 @@ class RestartLedger:
         return {"engine_restarts_total": self.engine, "head_restarts_total": self.head}
 
 
-def runner_config(model_path: str, config: SchedulerConfig, runner_args: dict,
-                  eos_token_ids: tuple[int, ...] = ()) -> RunnerConfig:
-    """The model runner's configuration from the server arguments (SGLang names) and the
-    tokenizer's EOS ids."""
-    return RunnerConfig(
-        model_path, dtype=runner_args["dtype"], device=runner_args["device"],
-        max_total_tokens=config.max_total_tokens,
-        mem_fraction_static=runner_args["mem_fraction_static"],
-        max_running_requests=config.max_running_requests,
-        max_context_len=runner_args["context_length"], page_size=config.page_size,
-        attention_backend=runner_args["attention_backend"],
-        load_format=runner_args["load_format"], seed=config.random_seed,
-        enable_hierarchical_cache=config.enable_hierarchical_cache,
-        hicache_ratio=config.hicache_ratio, hicache_size=config.hicache_size,
-        eos_token_ids=eos_token_ids)
 
 
 class ReplicaServer:

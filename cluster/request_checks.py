@@ -7,7 +7,7 @@ import json
 import re
 
 from ..scheduler.grammar import validate_grammar
-from ..scheduler.request import MAX_SEED, MIN_SEED, prompt_fit_problem
+from ..scheduler.request import prompt_fit_problem
 from ..worker.sampling_params import CONSTRAINT_KINDS, SamplingParams, surrogate_at
 from .api_errors import bad_request
 
@@ -35,9 +35,6 @@ def check_sampling_params(sp: SamplingParams, vocab_size: int | None,
     rename = rename or {}
     try:
         sp.verify(vocab_size)
-        if sp.seed is not None and not MIN_SEED <= sp.seed <= MAX_SEED:
-            # the sampler mixes seeds as 64 bits: a wider one would alias a narrower one
-            raise ValueError(f"seed: must be in [{MIN_SEED}, {MAX_SEED}] (64 bits)")
         if isinstance(sp.json_schema, str):
             try:
                 json.loads(sp.json_schema)

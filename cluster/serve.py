@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -45,7 +46,8 @@ _SCHEDULER_FLAGS = {
     "enable_mixed_chunk": (bool, "running decodes ride along with prefill batches"),
     "disable_overlap_schedule": (bool, "wait for each batch's tokens before building the next"),
     "debug_invariants": (bool, "check the KV memory invariant after every step (slow)"),
-    "random_seed": (int, "seed for sampling and the random queue policy"),
+    "random_seed": (int, "seed for unseeded sampling and the random queue policy; None: "
+                         "one drawn at start (the replicas share it)"),
     "disable_jump_forward": (bool, "decode text a grammar forces token by token instead of "
                                    "appending it at once"),
     "grammar_compile_timeout": (float, "seconds a grammar may take to compile before its "
@@ -166,12 +168,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
                    help="dummy: random weights (benchmarks)")
     g = p.add_argument_group("scheduler")
-    defaults = SchedulerConfig()
+    defaults = SchedulerConfig.field_defaults()  # (an instance would have drawn random_seed)
     choices = {"schedule_policy": SCHEDULE_POLICIES, "radix_eviction_policy": EVICTION_POLICIES,
                "hicache_write_policy": WRITE_POLICIES}
     for name, (kind, help_text) in _SCHEDULER_FLAGS.items():
         flag = "--" + name.replace("_", "-")
-        default = getattr(defaults, name)
+        default = defaults[name]
         if kind is bool:
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                            help=help_text)
@@ -203,6 +205,8 @@ def ray_dashboard_args(port: int | None) -> dict:
 def server_args_from(args: argparse.Namespace) -> dict:
     """The engine's server arguments (SGLang names) from parsed flags."""
     server_args = {name: getattr(args, name) for name in _SCHEDULER_FLAGS}
+    if server_args["random_seed"] is None:  # one draw for the deployment (/get_server_info)
+        server_args["random_seed"] = random.randrange(1 << 30)
     server_args.update(dtype=args.dtype, device=args.device, context_length=args.context_length,
                        mem_fraction_static=args.mem_fraction_static,
                        attention_backend=args.attention_backend, load_format=args.load_format,

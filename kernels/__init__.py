@@ -49,7 +49,7 @@ def pick_layer_ops(requested: str, device):
     on_cuda = _device_type(device) == "cuda"
     if requested == "torch" or (requested == "auto" and not on_cuda):
         return LAYER_OPS["torch"]
-    if requested == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if requested == "triton" and not _triton_runs_on(device):
         raise ValueError("layer_ops: triton needs a CUDA device (or TRITON_INTERPRET=1 on CPU)")
     try:
         importlib.import_module(".elementwise", __name__)
@@ -63,6 +63,11 @@ def pick_layer_ops(requested: str, device):
 
 def _device_type(device) -> str:
     return device.type if hasattr(device, "type") else str(device).split(":")[0]
+
+
+def _triton_runs_on(device) -> bool:
+    """Triton kernels run on CUDA, and anywhere under its interpreter (tests on CPU)."""
+    return _device_type(device) == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # What FlashInfer's kernels take: head dims it ships kernels for, 16-bit KV only.
@@ -95,7 +100,7 @@ def pick_attention_backend(requested: str, device, head_dim: int | None = None,
     if requested == "flashinfer" and flashinfer_unfit:
         raise ValueError(f"attention_backend: flashinfer does not take {flashinfer_unfit}; "
                          "use triton")
-    if requested == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if requested == "triton" and not _triton_runs_on(device):
         raise ValueError("attention_backend: triton needs a CUDA device (or TRITON_INTERPRET=1 "
                          "on CPU, for tests)")
     if not load_attention_backend(requested):

@@ -8,6 +8,7 @@ command line can report it as given.
 from __future__ import annotations
 
 import math
+import random
 
 from dataclasses import dataclass, fields
 
@@ -43,7 +44,9 @@ class SchedulerConfig:
     # for an in-process CPU runner, whose forward competes for the scheduler's cores and GIL
     # (measured 0.7x in bench/shared_prefix.py); True/False turn it off/on regardless.
     disable_overlap_schedule: bool | None = None
-    random_seed: int = 0  # for the `random` queue policy
+    # Seeds unseeded sampling and the `random` queue policy; None: one drawn at construction
+    # (as SGLang), so fresh starts do not repeat each other's samples.
+    random_seed: int | None = None
     # Constrained decoding (constrained.py): skip decode steps for text the grammar forces,
     # and give up on a grammar whose compilation takes longer than this (seconds).
     disable_jump_forward: bool = False
@@ -88,6 +91,8 @@ class SchedulerConfig:
         check(self.disable_overlap_schedule is None
               or isinstance(self.disable_overlap_schedule, bool), "disable_overlap_schedule",
               "must be true, false or unset")
+        if self.random_seed is None:
+            object.__setattr__(self, "random_seed", random.randrange(1 << 30))
         check(is_int(self.random_seed), "random_seed", "must be an integer")
         check(isinstance(self.schedule_max_wait, (int, float))
               and not isinstance(self.schedule_max_wait, bool)
@@ -114,6 +119,11 @@ class SchedulerConfig:
         """The chunked-prefill budget per step, or None when chunking is off."""
         size = self.chunked_prefill_size
         return None if size is None or size == -1 else size
+
+    @classmethod
+    def field_defaults(cls) -> dict:
+        """Each argument's declared default (None where one is drawn or sized at start)."""
+        return {f.name: f.default for f in fields(cls)}
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -103,19 +103,20 @@ class EvictionQueue:
     def pop(self):
         """Remove and return the member the policy evicts first (IndexError when empty)."""
         while True:
+            if not self._heap and self.leaves:  # a member re-stamped without rescore: its
+                self._rebuild()                 # entries all went stale; score it afresh
             entry_score, _, _, node = heapq.heappop(self._heap)
             if node in self.leaves and entry_score == self.score(node):
                 self.leaves.remove(node)
                 return node
 
-    def clear(self) -> None:
-        self.leaves.clear()
-        self._heap.clear()
+    def _rebuild(self) -> None:
+        self._heap = [(self.score(n), n.id, next(self._seq), n) for n in self.leaves]
+        heapq.heapify(self._heap)
 
     def _push(self, node) -> None:
         if len(self._heap) > 2 * len(self.leaves) + 64:  # mostly stale entries: rebuild
-            self._heap = [(self.score(n), n.id, next(self._seq), n) for n in self.leaves]
-            heapq.heapify(self._heap)
+            self._rebuild()
             if node in self.leaves:
                 return
         heapq.heappush(self._heap, (self.score(node), node.id, next(self._seq), node))

@@ -23,7 +23,6 @@ import xgrammar as xgr
 from ..worker.sampling_params import CONSTRAINT_KINDS
 from .grammar_check import unfinishable_rule
 
-KINDS = CONSTRAINT_KINDS
 JSON_KINDS = ("json_schema", "structural_tag")  # given as JSON (an object is accepted too)
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # what OpenAI's response_format json_object means
 _XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+?:\d+: (Check failed: .*? is false: )?")
@@ -58,8 +57,8 @@ def _problem(exc: BaseException) -> str:
 
 def _normalize(kind: str, text) -> str:
     """Check ``kind`` and return the grammar text the cache is keyed by."""
-    if kind not in KINDS:
-        raise GrammarError("constraint", f"unknown kind {kind!r}; expected one of {KINDS}")
+    if kind not in CONSTRAINT_KINDS:
+        raise GrammarError("constraint", f"unknown kind {kind!r}; expected one of {CONSTRAINT_KINDS}")
     if kind in JSON_KINDS and isinstance(text, (dict, bool)):
         text = json.dumps(text, sort_keys=True)  # a schema object from a client library
     # " " is a regex (one space) and an EBNF string can be blank only where it is invalid

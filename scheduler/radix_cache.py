@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from .eviction_policy import EvictionQueue
+from .eviction_policy import EvictionQueue, get_policy
 from .memory_pool import SimulatedAllocator
 from .radix_key import _BYTES_PER_TOKEN, RadixKey
 
@@ -88,7 +88,7 @@ class RadixCache:
                              f"{allocator.page_size}")
         self.allocator = allocator
         self.page_size = page_size
-        EvictionQueue(eviction_policy)  # a bad name fails here, naming the field
+        get_policy(eviction_policy)  # a bad name fails here, naming the field
         self.eviction_policy = eviction_policy
         self.disable = disable
         self._clock = itertools.count(1)  # monotonic ticks for access and creation times
@@ -352,7 +352,8 @@ class RadixCache:
         """Settle a batch's tier copies (HiRadixCache): nothing to settle here."""
 
     def check_tiers(self) -> None:
-        """Per-tier consistency checks: the device tier's are ``check_invariant``'s."""
+        """Per-tier consistency checks (the device tier's are in
+        ``CacheManager.check_invariant``)."""
 
     # ---- helpers -----------------------------------------------------------------------------
 

@@ -30,8 +30,6 @@ EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 _arrival_counter = itertools.count()
 
 LogprobEntry = tuple  # (logprob or None, token id)
-# Seeds a request may carry: any 64-bit integer, signed or not (OpenAI's seed is an int64)
-MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
 
 
 def prompt_fit_problem(prompt_len: int, context_len: int, pool_size: int | None,
@@ -107,10 +105,6 @@ class Req:
         for name, value in (("routing_key", routing_key), ("extra_key", extra_key)):
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"{name}: must be a string")
-        seed = getattr(sampling_params, "seed", None)
-        if isinstance(seed, int) and not MIN_SEED <= seed <= MAX_SEED:
-            # the sampler mixes seeds as 64 bits: a wider one would alias a narrower one
-            raise ValueError(f"seed: must be in [{MIN_SEED}, {MAX_SEED}] (64 bits)")
         self.rid = rid
         self.origin_input_ids = list(input_ids)
         self.sampling_params = sampling_params or SamplingParams()

@@ -44,6 +44,14 @@ def test_serve_defaults_to_auto_and_passes_it_on():
     assert server_args_from(serve_args("--device", "cuda:0"))["device"] == "cuda:0"
 
 
+def test_serve_draws_one_random_seed_for_all_replicas():
+    args = serve_args()
+    assert args.random_seed is None
+    drawn = {server_args_from(args)["random_seed"] for _ in range(8)}
+    assert all(isinstance(s, int) for s in drawn) and len(drawn) > 1  # a new one per start
+    assert server_args_from(serve_args("--random-seed", "5"))["random_seed"] == 5
+
+
 @pytest.mark.parametrize("device", ["cuda", "cuda:0", "cuda:3"])
 def test_cuda_devices_ask_ray_for_a_gpu_per_rank(device):
     assert is_gpu_device(device)

@@ -197,3 +197,17 @@ def test_flush_after_shutdown_says_so(tiny_llama_path):
     eng.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         eng.flush_cache()
+
+
+def test_shutdown_ends_the_forward_thread(tiny_llama_path):
+    """Overlap scheduling runs forwards on the runner's own thread; every Engine a program
+    built and shut down left one behind."""
+    def forward_threads():
+        return [t for t in threading.enumerate() if t.name.startswith("radixray-forward")]
+
+    before = len(forward_threads())
+    eng = Engine(tiny_llama_path, max_total_tokens=256, disable_overlap_schedule=False)
+    eng.generate("x", {"max_new_tokens": 4})
+    assert len(forward_threads()) == before + 1
+    eng.shutdown()
+    assert len(forward_threads()) == before

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from http_helpers import make_engine
 from radixray.cluster.engine_protocol import GenerateRequest
 from radixray.cluster.engine_slot import SwappableEngine
 from radixray.cluster.metrics import EngineMetrics
+from radixray.scheduler.request import Req
 from radixray.worker.sampling_params import SamplingParams
 
 
@@ -97,6 +99,25 @@ def test_requests_an_engine_fails_when_it_stops_are_counted_with_their_prompts(t
     for key in ("num_requests_total", "num_aborted_requests_total"):
         assert after[key] == before.get(key, 0) + 1, key
     assert after["prompt_tokens_total"] == before.get("prompt_tokens_total", 0) + 3
+
+
+def test_commands_after_the_engine_stopped_fail_at_once(tiny_llama_path):
+    """They went into an inbox no thread read any more: flush_cache (which /flush_cache turns
+    into a 503) and a generate that raced the stop waited for ever."""
+    engine = make_engine(tiny_llama_path)
+    engine.shutdown()
+
+    async def after_stop():
+        with pytest.raises(RuntimeError, match="engine stopped"):
+            await asyncio.wait_for(engine.flush_cache(), 5)
+        queue = asyncio.Queue()  # a generate past its alive check when the thread stopped
+        engine._send(("add", Req("late", [5, 6], SamplingParams(max_new_tokens=2)),
+                      asyncio.get_running_loop(), queue))
+        return await asyncio.wait_for(queue.get(), 5)
+
+    assert "engine stopped" in str(asyncio.run(after_stop()))
+    with pytest.raises(RuntimeError, match="engine stopped"):
+        engine.call_sync(lambda s: None, timeout=5)
 
 
 def test_server_info_while_restarting_is_the_last_engines():

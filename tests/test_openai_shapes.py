@@ -18,8 +18,7 @@ from radixray.cluster.http_server import validation_error
 from radixray.cluster.openai_api import ChatCompletionRequest, client_field_names
 from radixray.cluster.openai_responses import OutputOffsets, most_likely, usage
 from radixray.cluster.parallel_sampling import expand_copies
-from radixray.scheduler.request import MAX_SEED, MIN_SEED, Req
-from radixray.worker.sampling_params import SamplingParams
+from radixray.worker.sampling_params import MAX_SEED, MIN_SEED, SamplingParams
 
 TEXT = "aé 日本 🙂 x"
 
@@ -145,8 +144,8 @@ def test_validation_errors_name_fields_as_the_hand_written_checks_do():
 
 def test_seeds_are_64_bit_and_copies_wrap_within_them():
     for seed in (MIN_SEED - 1, MAX_SEED + 1):
-        with pytest.raises(ValueError, match="^seed: "):  # the offline Engine's path
-            Req("r", [1, 2], SamplingParams(seed=seed))
+        with pytest.raises(ValueError, match="^seed: "):  # every path's check
+            SamplingParams(seed=seed).verify()
     copies = expand_copies(GenerateRequest("r", [1, 2], SamplingParams(n=3, seed=MAX_SEED)), 3)
     # the sampler takes seeds modulo 2**64: 2**64 would be 0 there, so it is 0 here
     assert [c.sampling_params.seed for c in copies] == [MAX_SEED, 0, 1]

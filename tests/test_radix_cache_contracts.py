@@ -169,6 +169,16 @@ def test_chunk_insert_does_not_bump_hits():
     assert cache.match_prefix(RadixKey([5, 6, 7])).last_node.hit_count == 1
 
 
+def test_a_leaf_restamped_without_rescore_is_still_evicted():
+    """Every entry of a leaf whose access time changed without ``rescore`` is stale: pop found
+    the heap empty while the set still held the leaf and raised IndexError mid-step."""
+    cache = RadixCache()
+    put(cache, [1, 2])
+    leaf = cache.match_prefix(RadixKey([1, 2])).last_node
+    leaf.last_access_time += 1000  # a caller that forgot rescore
+    assert cache.evict(2) == 2 and cache.total_size() == 0
+
+
 def test_locked_nodes_survive_eviction():
     cache = RadixCache()
     put(cache, [1, 2, 3, 4])

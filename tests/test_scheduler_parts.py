@@ -34,6 +34,15 @@ def test_config_errors_name_the_argument(name, value):
         SchedulerConfig(**{name: value})
 
 
+def test_unset_random_seed_is_drawn_per_config():
+    # SGLang draws one: a fixed default made every fresh start repeat its unseeded samples.
+    seeds = {SchedulerConfig().random_seed for _ in range(8)}
+    assert all(isinstance(s, int) for s in seeds) and len(seeds) > 1
+    assert SchedulerConfig(random_seed=7).random_seed == 7
+    with pytest.raises(ValueError, match="^random_seed: "):
+        SchedulerConfig(random_seed="7")
+
+
 def test_config_chunk_size():
     assert SchedulerConfig().chunk_size == 2048
     assert SchedulerConfig(chunked_prefill_size=-1).chunk_size is None

@@ -174,6 +174,12 @@ class ModelRunner:
     def result(self, handle: Future) -> ForwardOutput:
         return handle.result()
 
+    def close(self) -> None:
+        """End the forward thread ``submit`` started (after the batches it holds)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         """Run the batch's tier copies (hierarchical cache; their outcome, agreed over the TP

@@ -18,6 +18,8 @@ GREEDY_TEMPERATURE = 1e-6  # temperature below this means greedy (argmax)
 # request gets a token its grammar forbids. These bounds keep every adjusted logit finite.
 FLOAT32_MAX = 3.4028234663852886e38
 MIN_REPETITION_PENALTY = 1e-6  # 1 / penalty stays far from float32 overflow
+# Seeds a request may carry: any 64-bit integer, signed or not (OpenAI's seed is an int64)
+MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range, [-100, 100]
 # The grammar constraints, at most one per request (SGLang's names): each a string, a
 # structural tag being its JSON (xgrammar's format, or SGLang's structures and triggers).
@@ -154,6 +156,9 @@ class SamplingParams:
         for pattern in self.stop_regex:
             _check_stop_regex(pattern)
         check(self.seed is None or is_int(self.seed), "seed", "must be an integer")
+        # the sampler mixes seeds as 64 bits: a wider one would alias a narrower one
+        check(self.seed is None or MIN_SEED <= self.seed <= MAX_SEED, "seed",
+              f"must be in [{MIN_SEED}, {MAX_SEED}] (64 bits)")
         check(all(is_num(v) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS
                   for v in (self.logit_bias or {}).values()),
               "logit_bias", f"values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")

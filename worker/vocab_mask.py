@@ -78,6 +78,6 @@ def _triton_bitmask():
     """``kernels.sampling.apply_token_bitmask_`` when triton imports, else None."""
     try:
         from ..kernels.sampling import apply_token_bitmask_
-    except ImportError:
+    except Exception:  # no triton, or (as kernels/ handles it) a CUDA library failing to load
         return None
     return apply_token_bitmask_
