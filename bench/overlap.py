@@ -113,8 +113,7 @@ def ray_runner(group, overlap: bool, vocab_size: int, max_running: int | None = 
 def bench_ray(path: str, args) -> dict[str, float]:
     import ray
 
-    from radixray.cluster.engine import runner_config
-    from radixray.cluster.engine import RUNNER_ARGS
+    from radixray.cluster.server_args import RUNNER_ARGS, runner_config
     from radixray.cluster.worker_group import WorkerGroup
     from radixray.scheduler.config import SchedulerConfig
 

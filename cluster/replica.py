@@ -34,7 +34,7 @@ import uuid
 from ..scheduler.config import SchedulerConfig
 from ..scheduler.scheduler import Scheduler
 from .async_engine import InProcessEngine
-from .engine import runner_config, split_server_args, tokenizer_eos
+from .server_args import runner_config, split_server_args, tokenizer_eos
 from .engine_slot import RestartGate, SwappableEngine
 from .heap import freeze_startup_heap
 from .tp_worker import free_port

@@ -219,7 +219,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from ..scheduler.config import SchedulerConfig
     from ..worker.make_model import ensure_default_model
-    from .engine import split_server_args
+    from .server_args import split_server_args
     from .replica import port_is_free, reserve_replica_ranks, start_replica
     from .worker_group import resolve_device
 

@@ -336,7 +336,7 @@ def test_http_constraints(tiny_llama_path, closing_bias):
 def test_serve_flags():
     import argparse
 
-    from radixray.cluster.engine import split_server_args
+    from radixray.cluster.server_args import split_server_args
     from radixray.cluster.serve import add_serve_arguments, server_args_from
     from radixray.scheduler.config import SchedulerConfig
 
