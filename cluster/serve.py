@@ -182,6 +182,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                            help=help_text)
 
 
+REPLICA_SHUTDOWN_WAIT_S = 10.0  # how long serve waits for its replicas' graceful shutdown
 API_KEY_ENV = "RADIXRAY_API_KEY"  # --api-key's default: a key no `ps` shows
 
 
@@ -338,9 +339,12 @@ def run_serve(args: argparse.Namespace) -> int:
         if router is not None and router.poll() is None:
             router.terminate()
             router.wait(10)
-        for r in replicas:
-            try:
-                ray.get(r.shutdown.remote(), timeout=30)
-            except Exception:
-                pass
+        # All at once, and not for long: Ctrl-C in a terminal (or a signal to serve's process
+        # group) has stopped a local Ray with serve, and each wait then ran to its timeout
+        # (30 s per replica, in turn). The replicas end with this job in any case.
+        try:
+            ray.wait([r.shutdown.remote() for r in replicas], num_returns=len(replicas),
+                     timeout=REPLICA_SHUTDOWN_WAIT_S)
+        except Exception:
+            pass
         ray.shutdown()

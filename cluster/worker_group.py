@@ -133,11 +133,14 @@ class WorkerGroup:
         self.gc_frozen_objects = [i["gc_frozen_objects"] for i in infos]
         self.watch_refs = ([self.workers[0].watch.remote()]
                            + [w.follow.remote() for w in self.workers[1:]])
+        # A call per step: Ray's task events for them (state API, dashboard) filled the GCS
+        # with ~300 MB of records (up to its 100k cap) and sent it a message per step.
+        self._forward = self.workers[0].forward.options(enable_task_events=False)
 
     def submit(self, batch: ForwardBatch):
         """Send a batch to rank 0 and return at once; batches run in submission order."""
         self._seq += 1
-        return self.workers[0].forward.remote(batch, self._seq - 1)
+        return self._forward.remote(batch, self._seq - 1)
 
     def result(self, handle) -> ForwardOutput:
         try:
