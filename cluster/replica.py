@@ -38,8 +38,8 @@ from .server_args import runner_config, split_server_args, tokenizer_eos
 from .engine_slot import RestartGate, SwappableEngine
 from .heap import freeze_startup_heap
 from .tp_worker import free_port
-from .worker_group import (WorkerGroup, WorkerGroupError, bundle_node_id, remove_placement_groups,
-                           reserve_rank_bundles, resolve_device)
+from .worker_group import (WorkerGroup, WorkerGroupError, bundle_node_id, exit_with_raylet,
+                           remove_placement_groups, reserve_rank_bundles, resolve_device)
 
 log = logging.getLogger(__name__)
 NAMESPACE = "radixray"  # the default; serve's --ray-namespace keeps deployments apart
@@ -147,6 +147,7 @@ class ReplicaServer:
             # Ray's own SIGTERM handler only stops the actor taking calls: its HTTP server
             # served on, half-dead, and Ray never restarted it. Exit, as on SIGKILL.
             signal.signal(signal.SIGTERM, lambda *_: os._exit(1))
+        exit_with_raylet(f"replica {replica_id}")
 
         sched_args, runner_args = split_server_args(server_args)
         runner_args["device"] = resolve_device(runner_args["device"])  # what /get_server_info shows

@@ -81,6 +81,8 @@ def die_with_parent():
 
     When its Ray cluster goes away (``ray stop``, ``ray down``), Ray ends this driver with a hard
     exit that skips ``finally``; without this the router would keep the port, answering 503.
+    (Only this machine's raylet dying leaves the GCS up: serve sees its node dead and stops,
+    ``own_node_alive`` in serve.py.)
     Linux only (``prctl``); None elsewhere. The libc call is looked up here, before the fork.
     """
     if not sys.platform.startswith("linux"):

@@ -182,6 +182,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                            help=help_text)
 
 
+RAY_CHECK_INTERVAL_S = 5.0  # how often serve checks that its own Ray node is alive
 REPLICA_SHUTDOWN_WAIT_S = 10.0  # how long serve waits for its replicas' graceful shutdown
 API_KEY_ENV = "RADIXRAY_API_KEY"  # --api-key's default: a key no `ps` shows
 
@@ -194,6 +195,16 @@ def missing_resources(cluster: dict, device: str, ranks: int) -> str | None:
     need = {k: v * ranks for k, v in rank_bundle(device).items()}
     short = [f"{need[k]:g} {k}" for k in sorted(need) if cluster.get(k, 0) < need[k]]
     return ", ".join(short) or None
+
+
+def own_node_alive(ray) -> bool:
+    """Whether the Ray node this process runs on is alive (Ray's GCS marks a node whose raylet
+    died dead within seconds); True when the GCS cannot say (a transient error)."""
+    try:
+        node_id = ray.get_runtime_context().get_node_id()
+        return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
+    except Exception:
+        return True
 
 
 def ray_dashboard_args(port: int | None) -> dict:
@@ -239,7 +250,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 raise ValueError(f"{name}: must be >= 1")
         if args.max_queued_requests is not None and args.max_queued_requests < 1:
             raise ValueError("max_queued_requests: must be >= 1 (leave it out for no limit)")
-        for name in ("health_check_timeout", "health_check_interval"):
+        for name in ("health_check_timeout", "health_check_interval", "step_timeout"):
             if not 0 < getattr(args, name) < math.inf:
                 raise ValueError(f"{name}: must be a number of seconds > 0")
         if not 0 <= args.placement_timeout < math.inf:
@@ -311,7 +322,13 @@ def run_serve(args: argparse.Namespace) -> int:
         exits: list[float] = []
         while True:
             try:
-                code = router.wait()
+                code = router.wait(timeout=RAY_CHECK_INTERVAL_S)
+            except subprocess.TimeoutExpired:
+                if not own_node_alive(ray):  # its replicas went with it: nothing can serve
+                    print("radixray serve: error: this machine's Ray node is gone (its raylet "
+                          "died or was killed); stopping", file=sys.stderr, flush=True)
+                    return 1
+                continue
             except KeyboardInterrupt:
                 return 0
             if stopping:

@@ -16,9 +16,11 @@ decides to restart. ``shutdown`` always leaves nothing running.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import signal
 import threading
+import time
 
 import ray
 from ray.util.placement_group import (PlacementGroup, placement_group, placement_group_table,
@@ -31,6 +33,26 @@ from .heap import freeze_startup_heap
 from .tp_worker import TPWorker, is_gpu_device
 
 
+RAYLET_CHECK_INTERVAL_S = 2.0
+
+
+def exit_with_raylet(who: str) -> None:
+    """End this actor process once the raylet that started it is gone (killed, out of memory).
+
+    Ray's workers are the raylet's children; left behind, a replica head kept its port and
+    answered 503 "restarting" for ever while its restart loop retried a placement group Ray
+    had removed, and ranks kept their memory, so nothing upstream saw the replica as dead."""
+    raylet = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == raylet:
+            time.sleep(RAYLET_CHECK_INTERVAL_S)
+        logging.getLogger(__name__).error("%s: its node's raylet is gone; exiting", who)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="raylet-watch", daemon=True).start()
+
+
 class RankActor(TPWorker):
     """A TPWorker as its Ray actor: a SIGTERM ends the process at once, as a SIGKILL does. Ray's
     own handler only stops the actor taking calls; its long-running watch or follow call then
@@ -41,6 +63,7 @@ class RankActor(TPWorker):
         super().__init__(*args)
         if threading.current_thread() is threading.main_thread():  # (Ray runs __init__ there)
             signal.signal(signal.SIGTERM, lambda *_: os._exit(1))
+        exit_with_raylet(f"rank {self.rank}")
 
     def init(self, *args, **kwargs) -> dict:
         info = super().init(*args, **kwargs)

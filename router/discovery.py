@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 from .config import RouterConfig
 from .workers import WorkerRegistry, normalize_url
@@ -93,9 +94,16 @@ class RayDiscovery:
 
     # ------------------------------------------------------------------------- Ray defaults
     def _ensure_ray(self):
+        # Ray's native failure-signal handler would take SIGTERM from uvicorn's graceful
+        # shutdown (Ray connects after uvicorn installed its handlers): it dumped a stack and
+        # aborted the router 3 s later, cutting every in-flight request. Ray reads this when
+        # it is first imported. Its "SIGTERM handler is not set" (ray.init off the main
+        # thread) is what the router wants, not worth a warning at every start.
+        os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
         import ray  # lazily: the router without --ray-address never loads Ray
 
         if not ray.is_initialized():
+            logging.getLogger("ray._private.worker").setLevel(logging.ERROR)
             ray.init(address=self.config.ray_address, namespace=self.config.ray_namespace,
                      log_to_driver=False, logging_level=logging.WARNING)
         return ray

@@ -70,3 +70,14 @@ def servers():
         server.stop_nowait()
     for server in started:
         server.join()
+
+
+@pytest.fixture
+def processes():
+    """Processes a test starts; killed at its end if still running."""
+    procs = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=10)

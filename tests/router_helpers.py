@@ -2,6 +2,8 @@
 (``servers``, the fixture that stops them, is in conftest.py)."""
 
 import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -54,3 +56,12 @@ def dead_url() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def spawn_fake(*flags):
+    """A fake worker in its own process (router/fake_worker.py flags); (process, url)."""
+    proc = subprocess.Popen([sys.executable, "-m", "radixray.router.fake_worker", "--port", "0",
+                             *flags], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line.startswith("PORT "), line
+    return proc, f"http://127.0.0.1:{int(line.split()[1])}"

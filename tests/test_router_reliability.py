@@ -4,15 +4,13 @@ opens and closes, and a worker killed mid-load (a real process, SIGKILL) costs n
 import concurrent.futures
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 
-from router_helpers import start_fakes, start_router
+from router_helpers import spawn_fake, start_fakes, start_router
 
 from radixray.router.circuit import CLOSED
 
@@ -125,24 +123,6 @@ def test_a_500_then_an_answer_from_the_same_worker_is_no_failure(servers):
         fakes[0].fail_status, fakes[0].fail_next = 500, 1
         assert client.post("/generate", json={"text": "x"}).status_code == 200
     assert router.registry.get(urls[0]).breaker.state == CLOSED
-
-
-def spawn_fake(*flags):
-    proc = subprocess.Popen([sys.executable, "-m", "radixray.router.fake_worker", "--port", "0",
-                             *flags], stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    assert line.startswith("PORT "), line
-    return proc, f"http://127.0.0.1:{int(line.split()[1])}"
-
-
-@pytest.fixture
-def processes():
-    procs = []
-    yield procs
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-        p.wait(timeout=10)
 
 
 def test_worker_killed_mid_load_no_client_hangs(servers, processes):
