@@ -96,7 +96,7 @@ class CacheManager:
 
         Only for a request that holds no slots (new, or retracted)."""
         assert req.req_pool_idx is None, f"{req!r} already holds slots"
-        result, req.host_nodes = self.tree.match_tiers(self.key(req, req.max_prefix_len()))
+        result, req.host_nodes = self.tree.match_tiers(req.match_key())
         req.prefix_indices, req.last_node = result.indices, result.last_node
         start, end = req.load_range or (0, 0)
         req.loaded_len = max(min(end, req.tree_len) - start, 0)

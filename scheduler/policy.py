@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache_manager import CacheManager
-from .radix_cache import RadixCache, RadixKey
+from .radix_cache import RadixCache
 from .request import Req
 
 LPM_FALLBACK_QUEUE_LEN = 128  # matching every waiting prompt each round stops paying off
@@ -182,13 +182,13 @@ class InBatchPrefixSharing:
 
     def add(self, req: Req) -> None:
         """Count ``req``'s prompt as ahead of every later candidate (the chunked request)."""
-        key = self._key(req)
+        key = req.match_key()
         self.tree.insert(key, torch.zeros(len(key), dtype=torch.int64))
 
     def hold_back(self, req: Req) -> bool:
         """True when ``req`` should wait a round (see the class docstring); otherwise its
         prompt joins the simulated tree. ``req`` must be matched against the real cache."""
-        key = self._key(req)
+        key = req.match_key()
         shared, hit = len(self.tree.match_prefix(key).indices), req.tree_len
         missed_cache = hit <= IN_BATCH_CHECK_THRESHOLD and shared >= IN_BATCH_DEPRIORITIZE_THRESHOLD
         if missed_cache or shared - hit >= IN_BATCH_DEPRIORITIZE_THRESHOLD:
@@ -196,6 +196,3 @@ class InBatchPrefixSharing:
         self.tree.insert(key, torch.zeros(len(key), dtype=torch.int64))
         return False
 
-    @staticmethod
-    def _key(req: Req) -> RadixKey:
-        return RadixKey(req.tokens(0, req.max_prefix_len()), req.extra_key)

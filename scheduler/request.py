@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..worker.sampling_params import SamplingParams
+from .radix_key import RadixKey
 
 EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 _arrival_counter = itertools.count()
@@ -145,6 +146,7 @@ class Req:
         self.load = None
         self.load_range: tuple[int, int] | None = None
         self.loaded_len = 0
+        self._match_key: RadixKey | None = None  # see match_key
 
         # Accounting: prompt tokens served from the cache that this request had not computed
         # itself (SGLang's cached_tokens), and how many tokens it has computed so far.
@@ -196,6 +198,16 @@ class Req:
             return self.output_ids[start - p : end - p]
         return self.origin_input_ids[start:] + self.output_ids[: end - p]
 
+    def match_key(self) -> RadixKey:
+        """The radix key a cache match of this waiting request looks up: its first
+        ``max_prefix_len()`` tokens. Built once while it waits (lpm and dfs-weight match the
+        whole queue every round; packing an 8k-token prompt each time was most of their cost);
+        ``reset_kv_state`` (a retraction: the sequence has grown) drops it."""
+        length = self.max_prefix_len()
+        if self._match_key is None or len(self._match_key) != length:
+            self._match_key = RadixKey(self.tokens(0, length), self.extra_key)
+        return self._match_key
+
     def max_prefix_len(self) -> int:
         """How much of the sequence a cache match may cover.
 
@@ -234,6 +246,7 @@ class Req:
         self.host_nodes = []
         self.load_range = None
         self.loaded_len = 0
+        self._match_key = None
 
     def __repr__(self) -> str:
         return (f"Req({self.rid!r}, prompt={self.prompt_len}, out={len(self.output_ids)}, "

@@ -235,7 +235,10 @@ class Scheduler:
 
         admitted: list[Req] = []
         loading: list[Req] = []
-        if self.waiting and adder.budget_state() is AddResult.CONTINUE:
+        # (with no request row free nothing is admitted: ordering would match the queue for
+        # nothing, every decode step)
+        if (self.waiting and adder.budget_state() is AddResult.CONTINUE
+                and self.cache.free_rows() > 0):
             self.policy.order(self.waiting, QueueView(self.cache, self.running))
             sharing = None if self.cache.disabled else InBatchPrefixSharing()
             if sharing is not None and continuing is not None:

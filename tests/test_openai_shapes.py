@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from radixray.cluster.chat_prompt import template_role
 from radixray.cluster.detokenizer import (REPLACEMENT_CHAR, TokenBytes, byte_level_alphabet,
-                                          text_offsets)
+                                          text_offsets, token_texts)
 from radixray.cluster.engine_protocol import GenerateRequest
 from radixray.cluster.http_server import validation_error
 from radixray.cluster.openai_api import ChatCompletionRequest, client_field_names
@@ -26,6 +26,19 @@ TEXT = "aé 日本 🙂 x"
 @pytest.fixture(scope="module")
 def tok(tiny_llama_path):
     return AutoTokenizer.from_pretrained(tiny_llama_path)
+
+
+def test_token_texts_decode_each_token_once_per_tokenizer(tiny_llama_path):
+    """Every streamed chunk's top-k rows decoded their tokens again (45-60 us a token)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    expected = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    calls = []
+    decode = tokenizer.decode
+    tokenizer.decode = lambda *a, **k: calls.append(a) or decode(*a, **k)
+    assert token_texts(tokenizer, ids) == expected
+    assert token_texts(tokenizer, ids + ids) == expected + expected
+    assert len(calls) == len(set(ids))
 
 
 def test_the_byte_level_alphabet_covers_every_byte_once():
