@@ -164,10 +164,11 @@ class CacheManager:
         if self.page_size == 1:
             slots = self.allocator.alloc(need)
         else:
-            last = [int(self.rows.req_to_token[r.req_pool_idx, r.cached_len - 1])
-                    if r.cached_len else 0 for r in reqs]
-            slots = self.allocator.alloc_extend([r.cached_len for r in reqs],
-                                                [r.extend_len for r in reqs], last)
+            cached = torch.tensor([r.cached_len for r in reqs], dtype=torch.int64)
+            rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+            last = torch.where(cached > 0, self.rows.req_to_token[
+                rows, (cached - 1).clamp(min=0)].to(torch.int64), 0)  # each one's last slot
+            slots = self.allocator.alloc_extend(cached, [r.extend_len for r in reqs], last)
         if slots is None:
             raise RuntimeError(f"KV pool exhausted: {need} slots needed, "
                                f"{self.available_and_evictable()} free or evictable")

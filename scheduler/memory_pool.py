@@ -106,9 +106,9 @@ class TokenToKVPoolAllocator:
         offsets = torch.arange(self.page_size, dtype=torch.int64)
         return (pages[:, None] * self.page_size + offsets[None, :]).reshape(-1)
 
-    def alloc_extend(self, prefix_lens: list[int], extend_lens: list[int],
-                     last_slots: list[int]) -> torch.Tensor | None:
-        """Slots for appending ``extend_lens[i]`` tokens to request ``i``, concatenated.
+    def alloc_extend(self, prefix_lens, extend_lens, last_slots) -> torch.Tensor | None:
+        """Slots for appending ``extend_lens[i]`` tokens to request ``i``, concatenated (each
+        argument a list of ints or an int64 tensor, one entry per request).
 
         ``last_slots[i]`` is the slot of the request's last existing token (ignored when its
         prefix is empty). With pages, the free tail of that token's page is used first. Returns
@@ -116,25 +116,25 @@ class TokenToKVPoolAllocator:
         """
         if self.page_size == 1:
             return self.alloc(sum(extend_lens))
+        # One pass of tensor ops over the batch (a loop per request cost ~18 us each: 5 ms a
+        # decode step at batch 256). Request i's slots: first the free tail of its last page
+        # (last_slots[i] + 1, ...), then its new pages in order.
         p = self.page_size
-        pages_needed = []
-        for prefix, extend in zip(prefix_lens, extend_lens):
-            in_last_page = (-prefix) % p if prefix > 0 else 0
-            pages_needed.append(-(-max(extend - in_last_page, 0) // p))
-        pages = self._take_pages(sum(pages_needed))
+        prefix = torch.as_tensor(prefix_lens, dtype=torch.int64)
+        extend = torch.as_tensor(extend_lens, dtype=torch.int64)
+        last = torch.as_tensor(last_slots, dtype=torch.int64)
+        tail = torch.minimum(torch.where(prefix > 0, (-prefix) % p, 0), extend)
+        pages_needed = torch.div(extend - tail + p - 1, p, rounding_mode="floor")
+        pages = self._take_pages(int(pages_needed.sum()))
         if pages is None:
             return None
-        out, cursor = [], 0
-        for prefix, extend, last, n_pages in zip(prefix_lens, extend_lens, last_slots,
-                                                 pages_needed):
-            in_last_page = min((-prefix) % p if prefix > 0 else 0, extend)
-            if in_last_page:
-                out.append(torch.arange(last + 1, last + 1 + in_last_page, dtype=torch.int64))
-            mine = pages[cursor : cursor + n_pages]
-            cursor += n_pages
-            slots = (mine[:, None] * p + torch.arange(p)[None, :]).reshape(-1)
-            out.append(slots[: extend - in_last_page])
-        return torch.cat(out) if out else torch.empty(0, dtype=torch.int64)
+        owner = torch.repeat_interleave(torch.arange(len(extend_lens)), extend)  # [total]
+        j = torch.arange(len(owner)) - (torch.cumsum(extend, 0) - extend)[owner]  # i's j-th
+        beyond = (j - tail[owner]).clamp(min=0)  # position among its new pages' slots
+        page_start = (torch.cumsum(pages_needed, 0) - pages_needed)[owner]
+        page = pages[(page_start + beyond // p).clamp(max=max(len(pages) - 1, 0))] \
+            if len(pages) else torch.zeros_like(owner)
+        return torch.where(j < tail[owner], last[owner] + 1 + j, page * p + beyond % p)
 
     def free(self, slots: torch.Tensor) -> None:
         """Return slots. With pages, a page is returned when any of its slots is passed: callers

@@ -104,6 +104,32 @@ def test_paged_allocator_fills_last_page_first():
     assert alloc.available_size() == 64 - 12
 
 
+def test_paged_alloc_extend_gives_each_request_its_page_tail_then_new_pages():
+    """Whole batches in one pass of tensor ops (a loop per request took 5 ms a decode step at
+    batch 256), against the rule spelled out request by request."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        p = rng.choice([2, 4, 16])
+        alloc = TokenToKVPoolAllocator(p * 400, page_size=p)
+        n = rng.randint(0, 10)
+        prefix = [rng.choice([0, rng.randint(1, 90)]) for _ in range(n)]
+        extend = [rng.randint(0, 30) for _ in range(n)]
+        last = [rng.randint(1, 1000) for _ in range(n)]
+        free_pages = alloc.available_size() // p
+        slots = alloc.alloc_extend(prefix, extend, last)
+        expected, page = [], 1  # pages come in order from a fresh allocator (page 0 pads)
+        for pre, ext, end in zip(prefix, extend, last):
+            tail = min((-pre) % p if pre else 0, ext)
+            expected += range(end + 1, end + 1 + tail)
+            for k in range(ext - tail):
+                expected.append((page + k // p) * p + k % p)
+            page += -(-(ext - tail) // p)
+        assert slots.tolist() == expected
+        assert alloc.available_size() // p == free_pages - (page - 1)
+
+
 def test_req_to_token_pool_rows():
     pool = ReqToTokenPool(3, 16)
     rows = [pool.alloc() for _ in range(3)]
