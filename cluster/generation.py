@@ -158,6 +158,7 @@ class ServingContext:
         self.tool_call_parser = tool_call_parser  # tool_calls.PARSERS key; None: no parsing
         self.waiting: set[str] = set()  # engine rids admitted that have no output yet
         self.live: dict[str, set[str]] = {}  # client rid -> engine rids
+        self.engine_rids: set[str] = set()  # every live engine rid (the union of live's sets)
         # A batch prompt's rid -> its copies' engine rids (n > 1): abortable by that rid too
         self.prompts: dict[str, set[str]] = {}
         # Engine rids of live sessions aborted before the engine had them (n > 1 copies wait
@@ -170,10 +171,10 @@ class ServingContext:
         rids aborted (none for a rid that is not live). Works at any stage, before submission
         included (see ``aborted``)."""
         if abort_all:
-            rids = set().union(*self.live.values()) if self.live else set()
+            rids = set(self.engine_rids)
         else:
             rids = self.live.get(client_rid) or self.prompts.get(client_rid) or {client_rid}
-        registered = set().union(*self.live.values()) if self.live else set()
+        registered = self.engine_rids
         self.aborted.update(rids & registered)
         warm = {self.warmups[r] for r in rids if r in self.warmups}
         for rid in sorted(rids | warm):
@@ -194,8 +195,8 @@ class ServingContext:
             raise bad_request(f"{size_field}: the request asks for {len(rids)} sequences "
                               f"(prompts x n), more than max_queued_requests ({limit}) lets "
                               "wait at once; send fewer", param=size_field)
-        live = set().union(*self.live.values()) if self.live else set()
-        taken = [r for r in rids if r in live] or ([client_rid] if client_rid in self.live else [])
+        taken = ([r for r in rids if r in self.engine_rids]  # (a set kept, not a union per call)
+                 or ([client_rid] if client_rid in self.live else []))
         if taken:
             raise bad_request(f"rid: {taken[0]!r} is already in use by a running request",
                               param="rid")
@@ -211,6 +212,7 @@ class ServingContext:
                            err_type="TooManyRequests")
         self.waiting.update(rids)
         self.live[client_rid] = set(rids)
+        self.engine_rids.update(rids)
         self.prompts.update(prompts or {})
         return Session(self, client_rid, rids, list(prompts or ()))
 
@@ -230,6 +232,7 @@ class Session:
             self.ctx.waiting.difference_update(self.rids)
             self.ctx.aborted.difference_update(self.rids)
             self.ctx.live.pop(self.client_rid, None)
+            self.ctx.engine_rids.difference_update(self.rids)
             for rid in self.prompt_rids:
                 self.ctx.prompts.pop(rid, None)
 

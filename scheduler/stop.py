@@ -4,8 +4,10 @@ Stop strings are matched on text, and a stop string may span several tokens, so 
 decodes the tail of the output: ``UTF-8 bytes of the longest stop string + 1`` tokens cover
 any stop string that ends in the newest token, since every token holds at least one byte
 (byte-level BPE splits ``→`` into three). A stop regex (``stop_regex``, searched with the
-``regex`` module) gets the same window from the longest text it can match, at 4 bytes per
-character; one without a bound (``\\d+``, ``.*``) searches the whole output.
+``regex`` module) is searched over the whole output's text, which is decoded incrementally
+(as the HTTP detokenizer decodes it) and searched only from where a match may still start:
+the start of the last partial match, else the newest text. A token so costs the search of
+its own text, not of the whole output (which spent a request's search budget in ~30k tokens).
 ``min_new_tokens`` holds off EOS and ``stop_token_ids`` (the sampler masks them), not stop
 strings or regexes, as in SGLang: the HTTP detokenizer matches those on the text from its
 first token, and so does this check.
@@ -23,11 +25,6 @@ from typing import Callable, Iterable
 
 import regex
 
-try:
-    from re import _parser as sre_parse  # the standard library's regex parser (3.11+)
-except ImportError:  # Python 3.10
-    import sre_parse
-
 from .request import FinishReason, Req
 
 log = logging.getLogger(__name__)
@@ -35,11 +32,10 @@ log = logging.getLogger(__name__)
 # decode(ids, skip_special_tokens=..., spaces_between_special_tokens=...), as the tokenizer's:
 # the stop check reads the text the client gets (a hidden special token is not in it)
 Decode = Callable[..., str]
-# Tokens decoded before a stop regex's window, searched from the window on: a lookbehind or \b
-# then sees the real text before it, and ^ does not match at the window's first token.
-STOP_REGEX_CONTEXT_TOKENS = 8
+# Characters of output text kept before where a stop regex's search resumes: what a lookbehind
+# or \b may look back on (older text is dropped, so a request keeps a bounded text).
+STOP_REGEX_LOOKBEHIND_CHARS = 1024
 REPLACEMENT_CHAR = "\ufffd"  # what a token ending inside a UTF-8 character decodes to
-_UNBOUNDED = 1 << 16  # a match width from here on counts as unbounded
 # Stop regexes are searched at every token, on the engine's thread and on the HTTP event loop,
 # where their time stalls every request on the replica (a crafted pattern froze one for good;
 # twenty patterns just under any per-search limit slowed everyone 5x). So each request has a
@@ -81,17 +77,6 @@ class RegexBudget:
 @functools.lru_cache(maxsize=1024)
 def compile_stop_regex(pattern: str) -> regex.Pattern:
     return regex.compile(pattern)
-
-
-@functools.lru_cache(maxsize=1024)
-def stop_regex_width(pattern: str) -> int | None:
-    """The most characters a match of ``pattern`` spans; None if unbounded or unknown (syntax
-    only the ``regex`` module reads), and then the whole output is searched."""
-    try:
-        width = sre_parse.parse(pattern).getwidth()[1]
-    except Exception:  # noqa: BLE001 - any parse failure means "unknown"
-        return None
-    return width if width < _UNBOUNDED else None
 
 
 def find_stop(text: str, start: int, stop: Iterable[str], stop_regex: Iterable[str],
@@ -150,7 +135,7 @@ class StopChecker:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.decode = decode
         self.max_context_len = max_context_len
-        self._budgets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Req -> budget
+        self._scans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Req -> _RegexScan
 
     def check(self, req: Req) -> FinishReason | None:
         """Why ``req`` is finished after its newest token, or None. Reads only; the caller sets
@@ -207,22 +192,83 @@ class StopChecker:
         return decode_after(decode, decode_context(decode, req.origin_input_ids), ids)
 
     def _stop_regex_match(self, req: Req, out: list[int], sp) -> str | None:
-        """The first stop regex that matches the output's newest text, or None. Searched from
-        a window of tokens wide enough for the longest match (4 bytes a character; all of the
-        output for an unbounded pattern), with a few tokens of context before it."""
-        widths = [stop_regex_width(p) for p in sp.stop_regex]
-        window = len(out) if None in widths else 4 * max(widths) + 1
-        start = max(len(out) - window - STOP_REGEX_CONTEXT_TOKENS, 0)
-        # the newest token ends inside a character: wait for the rest (as the HTTP
-        # detokenizer does), or a \W would match its replacement character
-        text = self._text(req, sp, start, len(out)).rstrip(REPLACEMENT_CHAR)
-        pos = len(self._text(req, sp, start, len(out) - window)) if len(out) > window else 0
-        budget = self._budgets.get(req)
-        if budget is None:
-            budget = self._budgets[req] = RegexBudget()
-        for p in sp.stop_regex:
-            if budget.search(p, text, pos):
-                return p
+        """The first stop regex (in ``sp.stop_regex``'s order) that matches the output's text,
+        or None. The text is decoded incrementally and each pattern is searched from where a
+        match of it may still start (``_RegexScan``)."""
+        scan = self._scans.get(req)
+        if scan is None or len(out) < scan.seen:  # new, or its output was cut: start over
+            budget = scan.budget if scan is not None else RegexBudget()
+            decode = functools.partial(
+                self.decode, skip_special_tokens=sp.skip_special_tokens,
+                spaces_between_special_tokens=sp.spaces_between_special_tokens)
+            scan = self._scans[req] = _RegexScan(decode, req.origin_input_ids,
+                                                 len(sp.stop_regex), budget)
+        return scan.match(out, sp.stop_regex)
+
+
+class _RegexScan:
+    """One request's stop-regex search state. ``text`` is the output's clean text from char
+    ``base`` on, decoded as the HTTP detokenizer decodes it (``decode(ids[prefix:])`` minus
+    ``decode(ids[prefix:read])``, the first window after the prompt's last tokens), so it only
+    ever grows at its end; ``resume[i]`` is the first char where a match of pattern i may still
+    start: no match of it can start before, whatever text follows."""
+
+    def __init__(self, decode, prompt_ids, num_patterns: int, budget: RegexBudget):
+        self.decode, self.budget = decode, budget
+        self.context = decode_context(decode, prompt_ids)  # until the first text is committed
+        self.prefix = self.read = 0  # output ids [prefix, read): the last committed window
+        self.text, self.base = "", 0
+        self.resume = [0] * num_patterns
+        self.seen = 0  # output tokens read so far
+
+    def _advance(self, out: list[int]) -> str:
+        """Commit the new tokens' text if it ends on a whole character; return the text that
+        is not committed yet, less the U+FFFD of a character cut at the end: that waits for
+        the rest of the character (as the HTTP detokenizer does), or \\W would match it."""
+        self.seen = len(out)
+        before = self.decode(self.context + out[self.prefix:self.read])
+        after = self.decode(self.context + out[self.prefix:])
+        if self.context and not after.startswith(before):
+            # the prompt's text changed once the output followed it: decode the output alone
+            self.context, before, after = [], "", self.decode(out)  # (prefix == read == 0)
+        if len(after) > len(before) and not after.endswith(REPLACEMENT_CHAR):
+            self.text += after[len(before):]
+            self.prefix, self.read, self.context = self.read, len(out), []
+            return ""
+        return after[len(before):].rstrip(REPLACEMENT_CHAR)
+
+    def match(self, out: list[int], patterns: list[str]) -> str | None:
+        pending = self._advance(out) if len(out) > self.read else ""
+        text = self.text + pending if pending else self.text
+        committed = len(self.text)  # chars of `text` that later text only extends
+        for i, pattern in enumerate(patterns):
+            if compile_stop_regex(pattern).flags & regex.REVERSE:
+                # searched backwards (?r): its partial matches say nothing about where a match
+                # may start, so it is searched from the output's start each time
+                if self.budget.search(pattern, text, self.resume[i] - self.base):
+                    return pattern
+                continue
+            # a partial match runs to the end of the text: more text may complete it, so the
+            # next search starts there; no match at all: none can start in the committed text
+            # (the uncommitted rest only grows too: what a cut character hides is stripped)
+            m = self.budget.search(pattern, text, self.resume[i] - self.base, partial=True)
+            if m is not None and not m.partial:
+                return pattern
+            if m is not None:
+                # a full match may still begin at or after it (which of the two a search
+                # with partial=True reports first is not documented): look for one
+                if self.budget.search(pattern, text, m.start()) is not None:
+                    return pattern
+                start = min(m.start(), committed)
+            else:
+                start = committed
+            self.resume[i] = self.base + start
+        # Drop text no search needs: all but STOP_REGEX_LOOKBEHIND_CHARS before the earliest
+        # resume (at least that many at once, so the copies add up to O(text)). Kept text
+        # never starts at a search's start, so ^ and \A still match only at the output's start.
+        cut = min(self.resume, default=0) - STOP_REGEX_LOOKBEHIND_CHARS
+        if cut - self.base >= STOP_REGEX_LOOKBEHIND_CHARS:
+            self.text, self.base = self.text[cut - self.base:], cut
         return None
 
 

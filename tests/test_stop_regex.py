@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from radixray.scheduler.request import FinishReason, Req
-from radixray.scheduler.stop import (StopChecker, find_stop, regex_holdback, stop_regex_width,
+from radixray.scheduler.stop import (StopChecker, find_stop, regex_holdback,
                                      trim_stop_text)
 from radixray.worker.sampling_params import SamplingParams
 
@@ -29,13 +29,6 @@ def first_stop(pattern, ids, **params):
             assert reason.to_dict() == {"type": "stop", "matched": pattern}
             return i
     return None
-
-
-def test_width_bounds_what_the_window_must_cover():
-    assert stop_regex_width("ab(c|de)") == 4
-    assert stop_regex_width(r"\d{2,3}x") == 4
-    assert stop_regex_width(r"\d+") is None  # unbounded: the whole output is searched
-    assert stop_regex_width(r"\p{Lu}x") is None  # regex-module syntax: unknown
 
 
 @pytest.mark.parametrize("pattern,ids,stops_at", [
