@@ -94,6 +94,9 @@ class InProcessEngine:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        close = getattr(self.scheduler.runner, "close", None)  # an in-process ModelRunner's
+        if close is not None and self.stopped:  # forward thread (overlap scheduling)
+            close()
 
     @property
     def stopped(self) -> bool:
@@ -212,13 +215,14 @@ class InProcessEngine:
         error = RuntimeError(f"engine stopped: {message}")
         if command[0] == "add":
             if not command[1].probe:
-                self._failed_at_stop += 1
-                self._failed_prompt_tokens += command[1].prompt_len
+                with self._cond:  # the engine thread and the event loop both refuse
+                    self._failed_at_stop += 1
+                    self._failed_prompt_tokens += command[1].prompt_len
             try:
                 command[2].call_soon_threadsafe(command[3].put_nowait, error)
             except RuntimeError:  # that event loop is closed: its client is gone
                 pass
-        elif command[0] == "call":
+        elif command[0] == "call" and command[2].set_running_or_notify_cancel():
             command[2].set_exception(error)
 
     def _run(self) -> None:
@@ -278,6 +282,8 @@ class InProcessEngine:
             self._sinks[req.rid] = (loop, queue)
         elif kind == "call":
             _, fn, future = command
+            if not future.set_running_or_notify_cancel():
+                return  # its caller gave up (cancelled): setting a result would raise here
             try:
                 future.set_result(fn(self.scheduler))
             except Exception as e:

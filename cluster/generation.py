@@ -174,12 +174,12 @@ class ServingContext:
             rids = set(self.engine_rids)
         else:
             rids = self.live.get(client_rid) or self.prompts.get(client_rid) or {client_rid}
-        registered = self.engine_rids
-        self.aborted.update(rids & registered)
+        registered = rids & self.engine_rids  # before the awaits: sessions may close meanwhile
+        self.aborted.update(registered)
         warm = {self.warmups[r] for r in rids if r in self.warmups}
         for rid in sorted(rids | warm):
             await self.engine.abort(rid)
-        return sorted(rids & registered)
+        return sorted(registered)
 
     def open_session(self, client_rid: str, reqs: list[GenerateRequest],
                      prompts: dict[str, set[str]] | None = None,

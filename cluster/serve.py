@@ -320,11 +320,13 @@ def run_serve(args: argparse.Namespace) -> int:
         # The router holds no state the replicas need: one that dies (killed for its memory,
         # a crash) is started again, instead of taking every replica down with serve.
         exits: list[float] = []
+        node_dead = 0  # checks in a row that found this machine's Ray node dead
         while True:
             try:
                 code = router.wait(timeout=RAY_CHECK_INTERVAL_S)
             except subprocess.TimeoutExpired:
-                if not own_node_alive(ray):  # its replicas went with it: nothing can serve
+                node_dead = 0 if own_node_alive(ray) else node_dead + 1
+                if node_dead >= 2:  # twice in a row; its replicas went with it
                     print("radixray serve: error: this machine's Ray node is gone (its raylet "
                           "died or was killed); stopping", file=sys.stderr, flush=True)
                     return 1

@@ -42,6 +42,8 @@ def exit_with_raylet(who: str) -> None:
     Ray's workers are the raylet's children; left behind, a replica head kept its port and
     answered 503 "restarting" for ever while its restart loop retried a placement group Ray
     had removed, and ranks kept their memory, so nothing upstream saw the replica as dead."""
+    if ray.get_runtime_context().get_actor_id() is None:
+        return  # not a Ray actor (built in-process): its parent is no raylet
     raylet = os.getppid()
 
     def watch() -> None:

@@ -103,7 +103,8 @@ class RayDiscovery:
         import ray  # lazily: the router without --ray-address never loads Ray
 
         if not ray.is_initialized():
-            logging.getLogger("ray._private.worker").setLevel(logging.ERROR)
+            logging.getLogger("ray._private.worker").addFilter(
+                lambda record: "SIGTERM handler is not set" not in record.getMessage())
             ray.init(address=self.config.ray_address, namespace=self.config.ray_namespace,
                      log_to_driver=False, logging_level=logging.WARNING)
         return ray

@@ -11,7 +11,7 @@ Read in this order; the core first:
 - ``policy.py``        waiting-queue policies and in-batch prefix sharing
 - ``prefill_adder.py`` admission of one prefill batch under the KV / prefill / chunk budgets
 - ``decode.py``        room for a decode step: retraction
-- ``stop.py``          finish checks (length, EOS, stop ids, stop strings)
+- ``stop.py``          finish checks (length, EOS, stop ids, stop strings and regexes)
 - ``batch.py``         ``ScheduleBatch`` and the ``ForwardBatch`` sent to the worker
 - ``logprobs.py``      logprobs from a forward's output to a request and its outputs
 - ``scheduler.py``     the loop: ``add_request``, ``abort``, ``step`` = ``schedule`` + forward +

@@ -7,7 +7,9 @@ any stop string that ends in the newest token, since every token holds at least 
 ``regex`` module) is searched over the whole output's text, which is decoded incrementally
 (as the HTTP detokenizer decodes it) and searched only from where a match may still start:
 the start of the last partial match, else the newest text. A token so costs the search of
-its own text, not of the whole output (which spent a request's search budget in ~30k tokens).
+its own text, not of the whole output (which spent a request's search budget in ~30k tokens),
+except while a partial match stays open: after ``<a>``, ``(?s)<a>.*</a>`` is searched from
+there at every token, and such a request may still spend its budget in a long answer.
 ``min_new_tokens`` holds off EOS and ``stop_token_ids`` (the sampler masks them), not stop
 strings or regexes, as in SGLang: the HTTP detokenizer matches those on the text from its
 first token, and so does this check.
@@ -35,6 +37,7 @@ Decode = Callable[..., str]
 # Characters of output text kept before where a stop regex's search resumes: what a lookbehind
 # or \b may look back on (older text is dropped, so a request keeps a bounded text).
 STOP_REGEX_LOOKBEHIND_CHARS = 1024
+STOP_REGEX_RESCAN_CHARS = 64  # see _RegexScan.match (less than the lookbehind kept)
 REPLACEMENT_CHAR = "\ufffd"  # what a token ending inside a UTF-8 character decodes to
 # Stop regexes are searched at every token, on the engine's thread and on the HTTP event loop,
 # where their time stalls every request on the replica (a crafted pattern froze one for good;
@@ -251,7 +254,8 @@ class _RegexScan:
             # a partial match runs to the end of the text: more text may complete it, so the
             # next search starts there; no match at all: none can start in the committed text
             # (the uncommitted rest only grows too: what a cut character hides is stripped)
-            m = self.budget.search(pattern, text, self.resume[i] - self.base, partial=True)
+            pos = self.resume[i] - self.base
+            m = self.budget.search(pattern, text, pos, partial=True)
             if m is not None and not m.partial:
                 return pattern
             if m is not None:
@@ -262,7 +266,10 @@ class _RegexScan:
                 start = min(m.start(), committed)
             else:
                 start = committed
-            self.resume[i] = self.base + start
+            # A match cut by the end at a zero-width assertion (foo\B, a(?!$)) is reported as
+            # a partial match that starts at the end, not at its real start: search again a
+            # little before the point found (a search from earlier only costs more).
+            self.resume[i] = self.base + max(pos, start - STOP_REGEX_RESCAN_CHARS)
         # Drop text no search needs: all but STOP_REGEX_LOOKBEHIND_CHARS before the earliest
         # resume (at least that many at once, so the copies add up to O(text)). Kept text
         # never starts at a search's start, so ^ and \A still match only at the output's start.

@@ -120,6 +120,26 @@ def test_commands_after_the_engine_stopped_fail_at_once(tiny_llama_path):
         engine.call_sync(lambda s: None, timeout=5)
 
 
+def test_a_call_its_caller_gave_up_on_leaves_the_engine_running(tiny_llama_path):
+    """A timed-out call's future is cancelled; the engine thread then set its result and died
+    of the InvalidStateError (every request of the replica failed)."""
+    import time
+
+    engine = make_engine(tiny_llama_path)
+
+    async def scenario():
+        slow = asyncio.ensure_future(engine.call(lambda s: time.sleep(0.5)))
+        await asyncio.sleep(0.1)  # the engine thread is in it
+        with pytest.raises(asyncio.TimeoutError):
+            await engine.call(lambda s: 1, timeout=0.05)  # queued behind the slow one
+        await slow
+        return await engine.call(lambda s: 2, timeout=10)
+
+    assert asyncio.run(scenario()) == 2
+    assert engine.alive and engine.failure is None
+    engine.shutdown()
+
+
 def test_server_info_while_restarting_is_the_last_engines():
     """It was {} for the seconds of a restart: a monitor reading `restarts` got nothing."""
     slot = SwappableEngine()

@@ -1,5 +1,6 @@
 """``radixray serve`` end to end: a real process that prints its URL, answers health checks and
-requests with the flags it was given, and stops cleanly on SIGTERM."""
+requests with the flags it was given, stops cleanly on SIGTERM, and stops with an error when its
+machine's Ray node dies."""
 
 from __future__ import annotations
 
@@ -122,21 +123,44 @@ def test_serve_without_model_uses_the_default_model(tiny_llama_path, tmp_path):
             assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
             time.sleep(0.1)
         wait_healthy(url, 60, lambda: proc.poll() is None)
-        # The machine's raylet dies (killed for its memory, say): serve used to wait on its
-        # router for ever while the orphaned replica kept its port, answering 503.
-        replica_url = f"http://127.0.0.1:{replica}"
+    finally:
+        # the whole group, as systemd stops a service (and Ctrl-C a terminal's job): the local
+        # Ray goes down with serve, whose replica shutdown waited 30 s per replica for it
+        stopped = time.monotonic()
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            code = proc.wait(60)
+        finally:
+            proc.kill()
+    assert code == 0 and time.monotonic() - stopped < 25, "".join(lines)
+
+
+def test_serve_stops_when_its_machines_raylet_dies(tiny_llama_path):
+    """The raylet killed (for its memory, say): serve waited on its router for ever while the
+    orphaned replica kept its port, answering 503 "restarting"; nothing upstream saw a dead
+    deployment to restart."""
+    port, replica = ports_below_ephemeral(2)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "radixray.cluster.cli", "serve", "--model", tiny_llama_path,
+         "--port", str(port), "--replica-base-port", str(replica), "--max-total-tokens", "1024"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")),
+                     daemon=True).start()
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", 180, lambda: proc.poll() is None)
         (raylet,) = [p for p in processes_using("raylet/raylet") if os.getsid(p) == proc.pid]
         os.kill(raylet, signal.SIGKILL)
         code = proc.wait(120)
         said = lambda: any("Ray node is gone" in line for line in lines)  # noqa: E731
-        wait_until = time.monotonic() + 10  # the reader thread's last lines
-        while not said() and time.monotonic() < wait_until:
+        deadline = time.monotonic() + 10  # the reader thread's last lines
+        while not said() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert code == 1 and said(), "".join(lines)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and port_in_use(replica):
             time.sleep(0.5)
-        assert not port_in_use(replica), f"{replica_url} still served by an orphaned replica"
+        assert not port_in_use(replica), "the replica's port is still served by an orphan"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)

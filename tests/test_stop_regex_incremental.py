@@ -95,6 +95,8 @@ PATTERNS = [
     r"\W\W\W",  # a character cut at the end must not match as U+FFFD
     r"(?r)1a2",  # searched backwards
     r"x(?!1)\d",  # lookahead
+    r"def\B",  # zero-width assertions at the end: a partial match reported at the end
+    r"a(?!$)",
 ]
 
 
