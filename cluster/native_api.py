@@ -26,8 +26,8 @@ from .detokenizer import token_texts
 from .engine_protocol import GenerateRequest
 from .api_errors import abort_error, as_api_error, bad_request
 from .generation import (RequestState, ServingContext, Session, new_rid,
-                         prepare_off_loop_if_large, until_disconnect)
-from .parallel_sampling import collect_states, expand_copies, run_all
+                         prepare_off_loop_if_large)
+from .parallel_sampling import expand_copies, final_states, run_all
 from .request_checks import (cache_namespace, check_batch_size, check_lengths,
                              check_sampling_params, check_text, check_token_ids)
 from .sse import SSE_DONE, error_event, open_stream, sse
@@ -242,15 +242,9 @@ async def generate(request: Request, ctx: ServingContext, body: GenerateReqInput
     if body.stream:
         return await open_stream(
             request, stream_events(ctx, firsts, copies, with_text, multi, session), session)
-    try:
-        states = await until_disconnect(request, collect_states(ctx, firsts, copies))
-    finally:
-        session.close()
+    states = await final_states(request, ctx, session, firsts, copies, failed, GRAMMAR_FIELDS)
     if isinstance(states, Response):
         return states
-    failed_state = next((s for s in states if failed(s)), None)
-    if failed_state is not None:
-        raise abort_error(failed_state.finish_reason, GRAMMAR_FIELDS)
     results = [native_result(s, ctx.tokenizer, with_text) for s in states]
     return results if multi else results[0]
 

@@ -16,9 +16,8 @@ from ..worker.sampling_params import CONSTRAINT_KINDS
 from . import openai_api as oa
 from . import openai_responses as res
 from .api_errors import abort_error, as_api_error
-from .generation import (RequestState, ServingContext, Session, prepare_off_loop_if_large,
-                         until_disconnect)
-from .parallel_sampling import collect_states, run_all
+from .generation import RequestState, ServingContext, Session, prepare_off_loop_if_large
+from .parallel_sampling import final_states, run_all
 from .sse import SSE_DONE, error_event, open_stream, sse
 from .tool_calls import ToolPlan, ToolStream
 
@@ -43,21 +42,6 @@ def _chunk_usage(body, state: RequestState) -> dict | None:
     return None
 
 
-async def _run(request: Request, ctx: ServingContext, session: Session, firsts, copies,
-               fields: dict[str, str]):
-    """Final states, or a 499 response when the client went away, or an abort error."""
-    try:
-        states = await until_disconnect(request, collect_states(ctx, firsts, copies))
-    finally:
-        session.close()
-    if isinstance(states, Response):
-        return states
-    aborted = next((s for s in states if _is_abort(s)), None)
-    if aborted is not None:
-        raise abort_error(aborted.finish_reason, fields)
-    return states
-
-
 # ---------------------------------------------------------------------------------------------
 # /v1/completions
 
@@ -77,7 +61,8 @@ async def completions(request: Request, ctx: ServingContext, body: oa.Completion
     if body.stream:  # never with best_of > n (a 400)
         return await open_stream(request, _completion_events(ctx, body, batch, prompts, session),
                                  session)
-    states = await _run(request, ctx, session, firsts, copies, _grammar_fields(body))
+    states = await final_states(request, ctx, session, firsts, copies, _is_abort,
+                                _grammar_fields(body))
     if isinstance(states, Response):
         return states
     candidates = len(copies[0])
@@ -150,7 +135,8 @@ async def chat_completions(request: Request, ctx: ServingContext,
     if body.stream:
         return await open_stream(request, _chat_events(ctx, body, first, copies, session, plan),
                                  session)
-    states = await _run(request, ctx, session, [first], [copies], _grammar_fields(body))
+    states = await final_states(request, ctx, session, [first], [copies], _is_abort,
+                                _grammar_fields(body))
     if isinstance(states, Response):
         return states
     choices = [res.chat_choice(i, s, body, ctx.tokenizer, plan) for i, s in enumerate(states)]

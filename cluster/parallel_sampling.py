@@ -9,12 +9,15 @@ import asyncio
 import time
 from contextlib import aclosing
 from dataclasses import replace
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
+
+from fastapi.responses import Response
 
 from .engine_protocol import GenerateRequest
 from .engine_requests import copy_seed
-from .api_errors import bad_request, unavailable
-from .generation import RequestState, ServingContext, Warmup, new_rid, run_many
+from .api_errors import abort_error, bad_request, unavailable
+from .generation import (RequestState, ServingContext, Warmup, new_rid, run_many,
+                         until_disconnect)
 
 
 async def prefill_only(ctx: ServingContext, req: GenerateRequest, copies: list[str],
@@ -81,6 +84,23 @@ async def collect_states(ctx: ServingContext, firsts: list[GenerateRequest],
         async for i, state in updates:
             results[i] = state
     return results
+
+
+async def final_states(request, ctx: ServingContext, session, firsts: list[GenerateRequest],
+                       copies: list[list[GenerateRequest]], failed: Callable, fields: dict):
+    """``collect_states`` for an unstreamed answer: the final states (the session closed
+    after), or the 499 Response when the client went away; the first state ``failed`` picks
+    is raised as its API error (``fields``: the client's field behind each grammar kind)."""
+    try:
+        states = await until_disconnect(request, collect_states(ctx, firsts, copies))
+    finally:
+        session.close()
+    if isinstance(states, Response):
+        return states
+    failure = next((s for s in states if failed(s)), None)
+    if failure is not None:
+        raise abort_error(failure.finish_reason, fields)
+    return states
 
 
 def expand_copies(req: GenerateRequest, n: int) -> list[GenerateRequest]:

@@ -58,7 +58,8 @@ def _problem(exc: BaseException) -> str:
 def _normalize(kind: str, text) -> str:
     """Check ``kind`` and return the grammar text the cache is keyed by."""
     if kind not in CONSTRAINT_KINDS:
-        raise GrammarError("constraint", f"unknown kind {kind!r}; expected one of {CONSTRAINT_KINDS}")
+        raise GrammarError("constraint",
+                           f"unknown kind {kind!r}; expected one of {CONSTRAINT_KINDS}")
     if kind in JSON_KINDS and isinstance(text, (dict, bool)):
         text = json.dumps(text, sort_keys=True)  # a schema object from a client library
     # " " is a regex (one space) and an EBNF string can be blank only where it is invalid
