@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import re
 import threading
 import time
 import uuid
@@ -344,8 +345,13 @@ def client_reason(e: BaseException, limit: int = 200) -> str:
     """An engine failure in a few words for the clients it fails (the log has all of it):
     Ray's errors run to a dozen lines of actor ids and advice about the OOM killer."""
     lines = str(e).strip().splitlines()
-    text = f"{type(e).__name__}: {lines[0] if lines else ''}"
+    # and a native library's source location ("[/__w/pytorch/.../pair.cc:537] Read error")
+    first = _SOURCE_LOCATION.sub("", lines[0]) if lines else ""
+    text = f"{type(e).__name__}: {first}"
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+_SOURCE_LOCATION = re.compile(r"\[/[^\]\s]+:\d+\] ")
 
 
 def _deliver(items: list[tuple[asyncio.Queue, TokenOutput]]) -> None:

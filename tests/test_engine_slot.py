@@ -159,3 +159,7 @@ def test_a_client_hears_an_engine_failure_in_a_few_words():
     assert client_reason(ray_like) == ("RuntimeError: The actor died unexpectedly before "
                                        "finishing this task.")
     assert len(client_reason(ValueError("x" * 1000))) == 200
+    gloo = RuntimeError("RayTaskError(RuntimeError): RuntimeError: [/__w/pytorch/pytorch/third_"
+                        "party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1")
+    assert client_reason(gloo) == ("RuntimeError: RayTaskError(RuntimeError): RuntimeError: "
+                                   "Read error [127.0.0.1]:1")
