@@ -29,7 +29,7 @@ import os
 import re
 import weakref
 
-from ..scheduler.stop import (REPLACEMENT_CHAR, RegexBudget, decode_context, find_stop,
+from ..scheduler.stop import (REPLACEMENT_CHAR, DecodeWindow, RegexBudget, find_stop,
                               regex_holdback)
 
 
@@ -53,14 +53,11 @@ class IncrementalDetokenizer:
         self.stop_regex = list(stop_regex or [])
         self._regex_budget = RegexBudget()  # this request's search time (scheduler.stop)
         self.no_stop_trim = no_stop_trim
-        # the prompt's tail, then the output ids
-        self.ids: list[int] = decode_context(self._decode, prompt_ids) if prompt_ids else []
-        self._context = len(self.ids)  # prompt tokens in front, until the first window
+        self.ids: list[int] = []  # the output ids
+        self._window = DecodeWindow(self._decode, prompt_ids)
         self.text = ""  # released
         self.matched_stop: str | None = None
-        self._decoded = ""  # clean decoded text of ids[:read], released or held back
-        self._prefix = 0  # decode window start: the previous read offset
-        self._read = len(self.ids)  # ids[:read] are in _decoded (or the prompt's)
+        self._decoded = ""  # clean decoded text of the committed ids, released or held back
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(
@@ -84,22 +81,8 @@ class IncrementalDetokenizer:
         return self._release(final=True)
 
     def _advance(self, final: bool) -> None:
-        if self._read == len(self.ids):
-            return
-        prefix_text = self._decode(self.ids[self._prefix:self._read])
-        new_text = self._decode(self.ids[self._prefix:])
-        if self._context and not new_text.startswith(prefix_text):
-            # the prompt's text changed once the output followed it (a tokenizer's clean-up
-            # of spaces): decode the output alone, as decode_after does then
-            del self.ids[:self._context]
-            self._context = self._prefix = self._read = 0
-            prefix_text, new_text = "", self._decode(self.ids)
-        # Wait while the window ends inside a character; a special token skipped on decode
-        # adds nothing and simply stays in the next window.
-        if len(new_text) > len(prefix_text) and (final or not new_text.endswith(REPLACEMENT_CHAR)):
-            self._decoded += new_text[len(prefix_text):]
-            self._prefix, self._read = self._read, len(self.ids)
-            self._context = 0
+        if self._window.read < len(self.ids):
+            self._decoded += self._window.advance(self.ids, final)[0]
 
     def _release(self, final: bool) -> str:
         sent = len(self.text)

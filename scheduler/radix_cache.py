@@ -352,8 +352,7 @@ class RadixCache:
         """Settle a batch's tier copies (HiRadixCache): nothing to settle here."""
 
     def check_tiers(self) -> None:
-        """Per-tier consistency checks (the device tier's are in
-        ``CacheManager.check_invariant``)."""
+        """Per-tier checks (the device tier's: ``CacheManager.check_invariant``)."""
 
     # ---- helpers -----------------------------------------------------------------------------
 

@@ -132,6 +132,35 @@ def decode_after(decode, context: list[int], ids: list[int]) -> str:
     return joined[len(before):] if joined.startswith(before) else decode(ids)
 
 
+class DecodeWindow:
+    """The text of a growing list of output ids, decoded a window at a time as the HTTP
+    detokenizer releases it: ``decode(ids[prefix:])`` minus ``decode(ids[prefix:read])``,
+    committed once it ends on a whole character, so each step decodes a few tokens, not the
+    whole output. The first window follows the prompt's last tokens (``decode_context``),
+    so the output's first word joins the prompt's text as a whole decode joins it."""
+
+    def __init__(self, decode: Callable[[list[int]], str], prompt_ids=()):
+        self.decode = decode
+        self.context = decode_context(decode, prompt_ids) if prompt_ids else []
+        self.prefix = self.read = 0  # output ids [prefix, read): the last committed window
+
+    def advance(self, out: list[int], final: bool = False) -> tuple[str, str]:
+        """``(committed, pending)`` for ``out`` (the whole output so far): the text its new
+        ids commit, and (when nothing is committed) the text decoded past the committed text,
+        less the U+FFFD of a character cut at the end. ``final``: commit even a cut one."""
+        before = self.decode(self.context + out[self.prefix:self.read])
+        after = self.decode(self.context + out[self.prefix:])
+        if self.context and not after.startswith(before):
+            # the prompt's text changed once the output followed it (a tokenizer's clean-up of
+            # spaces): decode the output alone, as decode_after does then (prefix == read == 0)
+            self.context, before, after = [], "", self.decode(out)
+        # a special token skipped on decode adds nothing and simply stays in the next window
+        if len(after) > len(before) and (final or not after.endswith(REPLACEMENT_CHAR)):
+            self.prefix, self.read, self.context = self.read, len(out), []
+            return after[len(before):], ""
+        return "", after[len(before):].rstrip(REPLACEMENT_CHAR)
+
+
 class StopChecker:
     def __init__(self, eos_token_ids: Iterable[int] = (), decode: Decode | None = None,
                  max_context_len: int | None = None):
@@ -210,38 +239,25 @@ class StopChecker:
 
 
 class _RegexScan:
-    """One request's stop-regex search state. ``text`` is the output's clean text from char
-    ``base`` on, decoded as the HTTP detokenizer decodes it (``decode(ids[prefix:])`` minus
-    ``decode(ids[prefix:read])``, the first window after the prompt's last tokens), so it only
-    ever grows at its end; ``resume[i]`` is the first char where a match of pattern i may still
+    """One request's stop-regex search state. ``text`` is the output's committed text from
+    char ``base`` on (``DecodeWindow``, as the HTTP detokenizer decodes it), so it only ever
+    grows at its end; ``resume[i]`` is the first char where a match of pattern i may still
     start: no match of it can start before, whatever text follows."""
 
     def __init__(self, decode, prompt_ids, num_patterns: int, budget: RegexBudget):
-        self.decode, self.budget = decode, budget
-        self.context = decode_context(decode, prompt_ids)  # until the first text is committed
-        self.prefix = self.read = 0  # output ids [prefix, read): the last committed window
+        self.window, self.budget = DecodeWindow(decode, prompt_ids), budget
         self.text, self.base = "", 0
         self.resume = [0] * num_patterns
         self.seen = 0  # output tokens read so far
 
-    def _advance(self, out: list[int]) -> str:
-        """Commit the new tokens' text if it ends on a whole character; return the text that
-        is not committed yet, less the U+FFFD of a character cut at the end: that waits for
-        the rest of the character (as the HTTP detokenizer does), or \\W would match it."""
-        self.seen = len(out)
-        before = self.decode(self.context + out[self.prefix:self.read])
-        after = self.decode(self.context + out[self.prefix:])
-        if self.context and not after.startswith(before):
-            # the prompt's text changed once the output followed it: decode the output alone
-            self.context, before, after = [], "", self.decode(out)  # (prefix == read == 0)
-        if len(after) > len(before) and not after.endswith(REPLACEMENT_CHAR):
-            self.text += after[len(before):]
-            self.prefix, self.read, self.context = self.read, len(out), []
-            return ""
-        return after[len(before):].rstrip(REPLACEMENT_CHAR)
-
     def match(self, out: list[int], patterns: list[str]) -> str | None:
-        pending = self._advance(out) if len(out) > self.read else ""
+        pending = ""
+        if len(out) > self.window.read:
+            # text cut inside a character waits for the rest (as the HTTP detokenizer waits),
+            # or \W would match its U+FFFD
+            committed_now, pending = self.window.advance(out)
+            self.text += committed_now
+        self.seen = len(out)
         text = self.text + pending if pending else self.text
         committed = len(self.text)  # chars of `text` that later text only extends
         for i, pattern in enumerate(patterns):

@@ -7,9 +7,9 @@ import signal
 import threading
 import time
 
-import httpx
 import pytest
 
+from helpers import wait_healthy
 from router_helpers import spawn_fake, start_fakes, start_router
 
 from radixray.router.circuit import CLOSED
@@ -129,16 +129,8 @@ def test_worker_killed_mid_load_no_client_hangs(servers, processes):
     spawned = [spawn_fake("--delay", "0.02", "--name", f"p{i}") for i in range(3)]
     processes.extend(p for p, _ in spawned)
     urls = [u for _, u in spawned]
-    for u in urls:  # wait until every process serves
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if httpx.get(u + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+    for (proc, u) in spawned:  # wait until every process serves
+        wait_healthy(u, 20, lambda: proc.poll() is None, interval=0.05)
     client, router = start_router(servers, urls, health_check_interval=0.5)
     done = []
     lock = threading.Lock()

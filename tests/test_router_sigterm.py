@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from helpers import ports_below_ephemeral
+from helpers import ports_below_ephemeral, wait_healthy
 from router_helpers import spawn_fake
 
 
@@ -27,15 +27,7 @@ def test_a_ray_following_router_drains_in_flight_requests_on_sigterm(ray_session
         stderr=subprocess.PIPE, text=True)
     processes.append(router)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(base + "/workers", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert router.poll() is None and time.monotonic() < deadline, router.stderr.read()
-        time.sleep(0.2)
+    wait_healthy(base, 60, lambda: router.poll() is None)
     time.sleep(3)  # discovery's first poll connects to Ray (under a second, loaded: more)
     result = {}
 
